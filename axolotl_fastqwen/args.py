@@ -1,0 +1,102 @@
+"""The plugin's config keys (`fastqwen_*`), merged into Axolotl's schema through `get_input_args`.
+
+Contradictory settings fail at config load, naming the key and the fix, because each of them
+would otherwise train silently wrong or silently slow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+TOKEN_MULTIPLE = 64  # one GDN chunk: a budget on this grid never leaves a ragged last chunk
+
+
+class FastQwenArgs(BaseModel):
+    fastqwen_packing: bool = Field(
+        default=True,
+        json_schema_extra={
+            "description": "Replace Axolotl's collator and sampler with the static-shape 1D packer "
+            "([1, fastqwen_token_budget] rows, exact sequence boundaries)."
+        },
+    )
+    fastqwen_token_budget: int | None = Field(
+        default=None,
+        json_schema_extra={
+            "description": "Tokens per packed micro-batch row, a positive multiple of 64. Default: "
+            "sequence_len * micro_batch_size, rounded up to a multiple of 64."
+        },
+    )
+    fastqwen_overlong: Literal["error", "truncate", "split"] = Field(
+        default="error",
+        json_schema_extra={"description": "What to do with a sample longer than the token budget."},
+    )
+    fastqwen_kernels: Literal["auto", "require", "reference"] = Field(
+        default="auto",
+        json_schema_extra={
+            "description": "auto: fastest self-checked kernels, warn on any PyTorch fallback; require: "
+            "fail instead of falling back; reference: PyTorch reference everywhere (debugging)."
+        },
+    )
+    fastqwen_fused_ce: bool = Field(
+        default=True,
+        json_schema_extra={"description": "Compute the loss without materialising the vocabulary logits."},
+    )
+
+    @field_validator("fastqwen_token_budget")
+    @classmethod
+    def _budget_on_grid(cls, value: int | None) -> int | None:
+        if value is None:
+            return value
+        if value <= 0 or value % TOKEN_MULTIPLE:
+            up = max(TOKEN_MULTIPLE, -(-value // TOKEN_MULTIPLE) * TOKEN_MULTIPLE)
+            raise ValueError(
+                f"fastqwen_token_budget must be a positive multiple of {TOKEN_MULTIPLE}, got {value}; "
+                f"use e.g. fastqwen_token_budget: {up}"
+            )
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_contradictions(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not _packing_on(data):
+            return data
+        clashes = {
+            "sample_packing": "Axolotl's multipack (it does not mask the first label of each packed sequence "
+            "and derives boundaries per layer)",
+            "batch_flattening": "HF's flattening collator",
+            "eval_sample_packing": "Axolotl's multipack for evaluation",
+            "pretraining_dataset": "streaming pretraining data (the packer needs every sample's length)",
+            "streaming": "streaming datasets (the packer needs every sample's length)",
+            "group_by_length": "length-grouped sampling",
+            "curriculum_sampling": "curriculum (sequential) sampling",
+            "rl": "preference / RL trainers",
+            "reward_model": "reward-model training",
+        }
+        on = [key for key in clashes if data.get(key) not in (None, False, "")]
+        if on:
+            detail = "; ".join(f"`{key}: {data[key]}` ({clashes[key]})" for key in on)
+            raise ValueError(
+                f"fastqwen_packing (on by default with the axolotl_fastqwen plugin) replaces the collator and "
+                f"sampler, which contradicts {detail}. Remove those keys (set them false) to use the plugin's "
+                "packer, or set `fastqwen_packing: false` to keep them (the fused kernels still apply)."
+            )
+        if (data.get("context_parallel_size") or 1) > 1 or (data.get("sequence_parallel_degree") or 1) > 1:
+            raise ValueError(
+                "fastqwen_packing does not split packed rows across context-parallel ranks; set "
+                "`fastqwen_packing: false` with context_parallel_size > 1."
+            )
+        return data
+
+
+def _packing_on(data: dict) -> bool:
+    return data.get("fastqwen_packing", True) is not False
+
+
+def token_budget(cfg) -> int:
+    """The configured budget, or sequence_len * micro_batch_size rounded up to the grid."""
+    if cfg.get("fastqwen_token_budget"):
+        return int(cfg["fastqwen_token_budget"])
+    tokens = int(cfg.get("sequence_len") or 2048) * int(cfg.get("micro_batch_size") or 1)
+    return -(-tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE

@@ -1,0 +1,196 @@
+"""`python -m axolotl_fastqwen profile`: where one path's step time goes.
+
+torch.profiler around N training steps (after warm-up) of one path; writes a Chrome trace and
+prints the top kernels by GPU time, launches per step, and the GPU's idle gaps (consecutive
+kernels further apart than --gap-us) with the CPU op that was running at the time: the host-side
+work (syncs, Python, launch overhead) that starves the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+import os
+import shutil
+import time
+
+import torch
+
+from . import data, measure
+from .paths import PATHS, installed
+from .run import add_common_args, log, prepare, train_step
+
+GZIP_ABOVE_BYTES = 32 * 2**20
+RUNTIME_KINDS = ("cuda_runtime", "cuda_driver")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="axolotl-fastqwen profile", description=__doc__.split("\n")[0])
+    add_common_args(p)
+    p.set_defaults(steps=3)
+    p.add_argument("--path", default="fastqwen", choices=list(PATHS), help="the path to profile")
+    p.add_argument("--out", default="fastqwen-profile", help="output folder (trace.json[.gz], profile.json)")
+    p.add_argument("--gap-us", type=float, default=50.0, help="GPU idle gaps longer than this are reported")
+    p.add_argument("--top", type=int, default=20, help="rows of the kernel / gap tables")
+    return p
+
+
+def _name(event) -> str:
+    return measure._field(event, "name", "") or ""
+
+
+def _kind(event) -> str:
+    return str(measure._field(event, "activity_type", "") or "")
+
+
+def analyze(events, steps: int, gap_us: float, top: int) -> dict:
+    """Kernel table, launches per step and GPU idle gaps (attributed to the innermost CPU op)."""
+    kernels = sorted((e for e in events if measure.is_kernel(e)), key=measure.start_us)
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for k in kernels:
+        by_name[_name(k)].append(measure.duration_us(k))
+    gpu_us = sum(sum(v) for v in by_name.values())
+    table = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    out = {
+        "kernels": len(kernels),
+        "launches_per_step": round(len(kernels) / steps, 1),
+        "gpu_kernel_ms_per_step": round(gpu_us / steps / 1000, 2),
+        "top_kernels": [
+            {"name": n[:160], "calls": len(v), "total_ms": round(sum(v) / 1000, 3),
+             "avg_us": round(sum(v) / len(v), 1), "share": round(sum(v) / gpu_us, 4) if gpu_us else 0.0}
+            for n, v in table
+        ],
+    }
+    if not kernels:
+        return out
+    window = measure.start_us(kernels[-1]) + measure.duration_us(kernels[-1]) - measure.start_us(kernels[0])
+    out["gpu_window_ms"] = round(window / 1000, 2)
+    out["gpu_busy_fraction"] = round(gpu_us / window, 4) if window else None
+    cpu = sorted(
+        ((measure.start_us(e), measure.start_us(e) + measure.duration_us(e), _name(e), _kind(e))
+         for e in events if not measure.is_device_event(e) and measure.duration_us(e) > 0),
+        key=lambda x: x[0],
+    )
+    starts = [c[0] for c in cpu]
+    gaps = collections.defaultdict(lambda: {"count": 0, "total_us": 0.0, "runtime": collections.Counter()})
+    total_gap, end = 0.0, measure.start_us(kernels[0]) + measure.duration_us(kernels[0])
+    for k in kernels[1:]:
+        start = measure.start_us(k)
+        gap = start - end
+        if gap > gap_us:
+            total_gap += gap
+            op, runtime = _active(cpu, starts, end + min(gap / 2, 20.0))
+            g = gaps[op]
+            g["count"] += 1
+            g["total_us"] += gap
+            if runtime:
+                g["runtime"][runtime] += 1
+        end = max(end, start + measure.duration_us(k))
+    out["gap_threshold_us"] = gap_us
+    out["idle_gaps_ms_per_step"] = round(total_gap / steps / 1000, 2)
+    out["idle_gaps"] = [
+        {"cpu_op": op[:160], "count": g["count"], "total_ms": round(g["total_us"] / 1000, 3),
+         "ms_per_step": round(g["total_us"] / steps / 1000, 3),
+         "runtime_call": g["runtime"].most_common(1)[0][0] if g["runtime"] else None}
+        for op, g in sorted(gaps.items(), key=lambda kv: -kv[1]["total_us"])[:top]
+    ]
+    return out
+
+
+def _active(cpu, starts, t: float, scan: int = 4000) -> tuple[str, str | None]:
+    """Innermost CPU op (latest start) running at time `t`, and the innermost CUDA runtime call."""
+    i = bisect.bisect_right(starts, t) - 1
+    op = runtime = None
+    # Scanning back from t: a runtime call nests inside its op and so starts later; once the
+    # innermost op is found, any active runtime call has been seen.
+    for j in range(i, max(-1, i - scan), -1):
+        s, e, name, kind = cpu[j]
+        if e < t:
+            continue
+        if kind in RUNTIME_KINDS:
+            runtime = runtime or name
+        elif not name.startswith("ProfilerStep"):
+            op = name
+            break
+    return op or "(no CPU op: idle host or another process)", runtime
+
+
+def print_report(report: dict, device: torch.device) -> None:
+    if device.type != "cuda":
+        log(f"\nCPU ops per step (no GPU, so no kernel launches): {report['launches_per_step']:,}")
+        log("\n(no GPU: top CPU ops by self time)\n" + report.get("cpu_table", ""))
+        return
+    log(f"\nkernel launches per step: {report['launches_per_step']:,}; GPU kernel time per step: "
+        f"{report.get('gpu_kernel_ms_per_step')} ms of {report['wall_ms_per_step']} ms wall; GPU busy in the "
+        f"kernel window: {report.get('gpu_busy_fraction')}")
+    log(f"\ntop {len(report['top_kernels'])} kernels by GPU time:")
+    log(f"{'total ms':>10} {'share':>6} {'calls':>7} {'avg us':>9}  kernel")
+    for k in report["top_kernels"]:
+        log(f"{k['total_ms']:>10.2f} {k['share']:>6.1%} {k['calls']:>7} {k['avg_us']:>9.1f}  {k['name'][:110]}")
+    log(f"\nGPU idle gaps > {report['gap_threshold_us']:g} us: {report['idle_gaps_ms_per_step']} ms per step, "
+        f"by the CPU op running at the time:")
+    log(f"{'ms/step':>9} {'count':>6}  cpu op  [cuda runtime call]")
+    for g in report["idle_gaps"]:
+        rt = f"  [{g['runtime_call']}]" if g["runtime_call"] else ""
+        log(f"{g['ms_per_step']:>9.2f} {g['count']:>6}  {g['cpu_op'][:90]}{rt}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    setup = prepare(args, steps_per_path=args.warmup + args.steps)
+    device, model, spec = setup.device, setup.model, PATHS[args.path]
+    os.makedirs(args.out, exist_ok=True)
+    setup.reset()
+    optimizer = setup.optimizer()
+    with installed(args.path, model, setup.family, device) as info:
+        for note in info["notes"]:
+            log(f"[{args.path}] note: {note}")
+        mbs = setup.micro_batch_size if spec.layout == "padded" else 1
+        steps = setup.workload.steps(spec.layout, args.warmup + args.steps, mbs)
+        batches = [data.collate(spec.layout, [setup.workload.tokens(i) for i in ids], args.budget) for ids in steps]
+        for i in range(args.warmup):
+            t = time.perf_counter()
+            loss = float(train_step(model, optimizer, data.to_device(batches[i], device)))
+            log(f"[{args.path}] warm-up {i + 1}/{args.warmup}: {time.perf_counter() - t:.2f} s, loss {loss:.4f}")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        measure.sync(device)
+        t = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for j in range(args.steps):
+                with record_function(f"fastqwen_bench_step_{j}"):
+                    train_step(model, optimizer, data.to_device(batches[args.warmup + j], device))
+                measure.sync(device)
+        wall = time.perf_counter() - t
+    log(f"[{args.path}] profiled {args.steps} steps in {wall:.2f} s; analysing ...")
+    events = measure.kineto_events(prof)
+    report = analyze(events, args.steps, args.gap_us, args.top)
+    report.update(path=args.path, steps=args.steps, wall_ms_per_step=round(wall / args.steps * 1000, 1),
+                  unit="cuda_kernels" if device.type == "cuda" else "cpu_ops", model=setup.info,
+                  micro_batch_size=mbs if spec.layout == "padded" else None)
+    if device.type != "cuda":
+        report["gpu_kernel_ms_per_step"] = None
+        cpu_ops = [e for e in events if "CPU" in str(measure._field(e, "device_type", ""))]
+        report["launches_per_step"] = round(len(cpu_ops) / args.steps, 1)
+        report["cpu_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
+    trace = os.path.join(args.out, "trace.json")
+    prof.export_chrome_trace(trace)
+    if os.path.getsize(trace) > GZIP_ABOVE_BYTES:
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
+        trace += ".gz"
+    report["trace"] = os.path.basename(trace)
+    with open(os.path.join(args.out, "profile.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print_report(report, device)
+    log(f"\nwrote {trace} and {os.path.join(args.out, 'profile.json')} (open the trace in chrome://tracing or Perfetto)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,597 @@
+"""`python -m axolotl_fastqwen bench`: every training path, one model, one token stream, one process.
+
+The model is built once (random weights, on the device); before each path the trainable weights
+are reset to the same seeded values and a fresh AdamW is made, so every path starts from the same
+state. Each path: calibration loss on the shared first row -> warm-up steps -> one profiled step
+(launches, GPU time) -> timed steps. A path that errors or runs out of memory is recorded and the
+run continues; bench.json is rewritten after every path, so a killed run still leaves its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from . import data, measure
+from .measure import TRITON
+from .paths import PATHS, PathSkipped, installed, parse_paths
+from .shapes import DEFAULT_SHAPE, SHAPES, build_config, build_model, get_shape, init_weights_, linear_params
+from .shapes import lora_targets, matmul_params_per_token
+
+SCHEMA = "axolotl_fastqwen.bench/1"
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments (shared with `profile`)
+# --------------------------------------------------------------------------------------------
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_SHAPE, choices=sorted(SHAPES), help="named model shape")
+    p.add_argument("--layers", type=int, default=None, help="cut depth to N layers (3 GDN : 1 attention kept)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--lora", dest="full", action="store_false", help="LoRA r=16 alpha=32 (default)")
+    mode.add_argument("--full", dest="full", action="store_true", help="full fine-tune (AdamW on every weight)")
+    p.set_defaults(full=False)
+    p.add_argument("--gc", action="store_true", help="gradient checkpointing (non-reentrant)")
+    p.add_argument("--budget", type=int, default=8192, help="tokens per packed row (multiple of 64)")
+    p.add_argument(
+        "--micro-batch-size", type=int, default=None,
+        help="sequences per padded batch (default: mean sequences per packed row, so a padded step holds "
+        "about as many real tokens as a packed one)",
+    )
+    p.add_argument("--steps", type=int, default=8, help="timed steps per path")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per path before profiling/timing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--median-length", type=float, default=500.0, help="median sequence length of the stream")
+    p.add_argument("--keep-fla-guard", action="store_true",
+                   help="do not lift fla's Hopper guard (fla#640) even when its GDN passes the self-check")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="axolotl-fastqwen bench", description=__doc__.split("\n")[0])
+    add_common_args(p)
+    p.add_argument("--paths", default="all", help="comma list of path names (or letters a-e); default all")
+    p.add_argument("--out", default="fastqwen-bench", help="output folder (bench.json, bench.md, bench.png)")
+    p.add_argument("--max-path-seconds", type=float, default=150.0,
+                   help="stop a path's timed steps after this long (>= 1 timed step); recorded as truncated")
+    p.add_argument("--no-oom-retry", dest="oom_retry", action="store_false",
+                   help="padded paths: do not retry with half the micro batch after an out-of-memory")
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# The shared model and stream
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    family: str
+    config: object
+    model: torch.nn.Module
+    trainable: list
+    workload: data.Workload
+    micro_batch_size: int
+    matmul: dict
+    lora_params: int
+    peak: dict
+    info: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Trainable weights back to their seeded start (LoRA: A random, B = 0; full: all weights)."""
+        for p in self.trainable:
+            p.grad = None
+        init_weights_(self.model, self.args.seed, std=self.config.initializer_range, only_trainable=True)
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        return torch.optim.AdamW(self.trainable, lr=self.args.lr, **fused)
+
+
+def resolve_device(args) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype or "")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype
+
+
+def prepare(args, steps_per_path: int) -> Setup:
+    """Peak matmul, model build (+ LoRA, gradient checkpointing), token stream."""
+    device, dtype = resolve_device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    TRITON.install()
+    log(f"[setup] device {device}, dtype {str(dtype).replace('torch.', '')}; measuring peak matmul ...")
+    peak = measure.peak_matmul_tflops(device)
+    log(f"[setup] peak: {peak['tflops']} TFLOP/s ({peak['method']})")
+
+    shape = get_shape(args.model)
+    config = build_config(shape, args.layers)
+    model, build_s = build_model(config, shape.family, device, dtype, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[setup] built {args.model} x{config.num_hidden_layers} layers ({n_params / 1e9:.2f} B params) "
+        f"on {device} in {build_s:.1f} s")
+    guard = fla_guard_decision(args, config, device, dtype)
+    dense_linear = linear_params(model)
+    lora_params = 0
+    if args.full:
+        trainable = [p for p in model.parameters()]
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = get_peft_model(
+            model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets(shape.family))
+        )
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        lora_params = sum(p.numel() for p in trainable)
+    if args.gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    matmul = matmul_params_per_token(config)
+
+    steps = steps_per_path
+    workload = data.make_workload(
+        budget=args.budget, vocab_size=config.vocab_size, steps=steps, seed=args.seed,
+        median=args.median_length, micro_batch_size=args.micro_batch_size,
+    )
+    mbs = args.micro_batch_size or workload.default_micro_batch_size(steps)
+    info = {
+        "shape": args.model,
+        "family": shape.family,
+        "description": shape.description,
+        "layers": config.num_hidden_layers,
+        "gated_deltanet_layers": list(config.layer_types).count("linear_attention"),
+        "attention_layers": list(config.layer_types).count("full_attention"),
+        "params_total": n_params,
+        "params_trainable": sum(p.numel() for p in trainable),
+        "matmul_params_per_token": matmul,
+        "linear_params_scanned": dense_linear,
+        "build_seconds": round(build_s, 2),
+        "dtype": str(dtype).replace("torch.", ""),
+        "finetune": "full" if args.full else "lora",
+        "lora": None if args.full else {"r": 16, "alpha": 32, "targets": lora_targets(shape.family)},
+        "gradient_checkpointing": bool(args.gc),
+        "attn_implementation": config._attn_implementation,
+        "fla_hopper_guard": guard,
+    }
+    return Setup(args, device, dtype, shape.family, config, model, trainable, workload, mbs, matmul, lora_params,
+                 peak, info)
+
+
+def check_shapes(config, dtype: torch.dtype):
+    from ..kernels import CheckShapes
+
+    return CheckShapes(
+        key_heads=config.linear_num_key_heads, value_heads=config.linear_num_value_heads,
+        key_dim=config.linear_key_head_dim, value_dim=config.linear_value_head_dim,
+        conv_width=config.linear_conv_kernel_dim, q_heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype,
+    )
+
+
+def fla_guard_decision(args, config, device: torch.device, dtype: torch.dtype) -> str:
+    """fla refuses its gated GDN backward on Hopper with Triton 3.4-3.7.0 (fla#640), which would fail
+    every fla path at its first backward. Decide once, for all paths alike, the way the plugin does:
+    run the plugin's GPU self-check at this model's head dims; if fla's GDN passes with the guard
+    lifted, the guard stays lifted for the whole run (as the reference baseline did)."""
+    from ..kernels import fla_hopper_guard_active, select_kernels, selfcheck
+
+    if device.type != "cuda" or not fla_hopper_guard_active():
+        return "not active"
+    if args.keep_fla_guard:
+        return "active, kept (--keep-fla-guard): fla's gated GDN backward raises, so fla paths are expected to fail"
+    kernels = select_kernels(device, "auto")
+    with torch.enable_grad():
+        selfcheck(kernels, check_shapes(config, dtype))
+    choice = kernels.choices["gated_delta_rule"]
+    verdict = (f"lifted for all paths: fla's GDN passed the self-check at K={config.linear_key_head_dim}, "
+               f"V={config.linear_value_head_dim} ({choice.selfcheck})"
+               if not fla_hopper_guard_active() else
+               f"kept: fla's GDN did not pass the self-check ({'; '.join(w for _, w in choice.rejected)[:300]})")
+    log(f"[setup] fla Hopper guard (fla#640, Triton {measure_triton_version()}): {verdict}")
+    return verdict
+
+
+def measure_triton_version() -> str | None:
+    from ..ops.availability import version_of
+
+    return version_of("triton")
+
+
+# --------------------------------------------------------------------------------------------
+# One path
+# --------------------------------------------------------------------------------------------
+
+
+def train_step(model, optimizer, batch: dict) -> torch.Tensor:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@torch.no_grad()
+def calibration_loss(model, batches: list[dict], device: torch.device) -> float:
+    """Mean per-token loss over all batches (each normalised by the total target count)."""
+    n = sum(data.targets(b) for b in batches)
+    total = 0.0
+    for b in batches:
+        total += float(model(**data.to_device(b, device), num_items_in_batch=n).loss)
+    return total
+
+
+def build_batches(setup: Setup, layout: str, n: int, mbs: int) -> tuple[list[dict], list[list[int]], list[dict]]:
+    w = setup.workload
+    steps = w.steps(layout, n, mbs)
+    seqs = [[w.tokens(i) for i in ids] for ids in steps]
+    batches = [data.collate(layout, s, w.budget) for s in seqs]
+    lengths = [[len(x) for x in s] for s in seqs]
+    calib = [data.collate(layout, [w.tokens(i) for i in ids], w.budget, calibration=True)
+             for ids in w.calibration(layout, mbs)]
+    return batches, lengths, calib
+
+
+def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float) -> None:
+    args, device, model = setup.args, setup.device, setup.model
+    spec = PATHS[name]
+    n_total = args.warmup + 1 + args.steps
+    record["notes"] = []  # a retry starts over
+    setup.reset()
+    optimizer = setup.optimizer()
+    measure.free_memory(device)
+    counters0 = (TRITON.snapshot(), measure.dynamo_snapshot())
+    with installed(name, model, setup.family, device) as info:
+        record["notes"] += info["notes"]
+        if "stock_kernels" in info:
+            record["stock_kernels"] = info["stock_kernels"]
+        batches, lengths, calib = build_batches(setup, spec.layout, n_total, mbs)
+        if spec.layout == "multipack":
+            record["collator"] = data.multipack_batch([setup.workload.tokens(setup.workload.bins[0][0])], args.budget)[1]
+        record["micro_batch_size"] = mbs if spec.layout == "padded" else None
+        t = time.perf_counter()
+        record["calibration_loss"] = calibration_loss(model, calib, device)
+        record["calibration_targets"] = sum(data.targets(b) for b in calib)
+        record["calibration_seconds"] = round(time.perf_counter() - t, 2)
+        log(f"[{name}] calibration loss {record['calibration_loss']:.6f} over {record['calibration_targets']} "
+            f"targets ({record['calibration_seconds']} s)")
+        losses, warm = [], []
+        for i in range(args.warmup):
+            seconds, loss = _timed(lambda i=i: train_step(model, optimizer, data.to_device(batches[i], device)), device)
+            warm.append(seconds)
+            losses.append(loss)
+            log(f"[{name}] warm-up {i + 1}/{args.warmup}: {seconds:.2f} s, loss {loss:.4f}")
+            if time.perf_counter() - started > args.max_path_seconds and i + 1 < args.warmup:
+                record["notes"].append(f"warm-up cut to {i + 1} steps (--max-path-seconds)")
+                break
+        counters1 = (TRITON.snapshot(), measure.dynamo_snapshot())
+        w = len(warm)
+        prof = measure.count_launches(lambda: train_step(model, optimizer, data.to_device(batches[w], device)), device)
+        losses.append(float(prof["result"]))
+        record["launches"] = prof["launches"]
+        log(f"[{name}] profiled step: {prof['launches']['count']} {prof['launches']['unit']}, "
+            f"GPU kernel time {prof['launches']['gpu_kernel_ms']} ms")
+        times, tokens, flops_model, flops_hw, slots = [], [], 0.0, 0.0, []
+        for j in range(args.steps):
+            k = w + 1 + j
+            seconds, loss = _timed(lambda k=k: train_step(model, optimizer, data.to_device(batches[k], device)), device)
+            times.append(seconds)
+            losses.append(loss)
+            tokens.append(sum(lengths[k]))
+            slots.append(data.slots(batches[k]))
+            f = measure.step_flops(lengths[k], setup.config, setup.matmul, full=args.full, gc=args.gc,
+                                   lora_params=setup.lora_params)
+            flops_model += f["model"]
+            flops_hw += f["hardware"]
+            log(f"[{name}] step {j + 1}/{args.steps}: {seconds:.3f} s, {tokens[-1]} tokens, loss {loss:.4f}")
+            if time.perf_counter() - started > args.max_path_seconds and j + 1 < args.steps:
+                record["truncated"] = f"stopped after {j + 1} timed steps (--max-path-seconds {args.max_path_seconds:g})"
+                log(f"[{name}] {record['truncated']}")
+                break
+        counters2 = (TRITON.snapshot(), measure.dynamo_snapshot())
+    if "patch_report" in info:
+        record["patch_report"] = info["patch_report"]
+    optimizer.zero_grad(set_to_none=True)
+    del optimizer
+
+    total_s = sum(times)
+    peak_tflops = setup.peak["tflops"]
+    dyn_after = measure.delta(counters2[1], counters1[1])
+    launches = record["launches"]
+    median = statistics.median(times)
+    record.update(
+        steps_measured=len(times),
+        warmup_seconds=[round(s, 3) for s in warm],
+        step_seconds=[round(s, 4) for s in times],
+        step_time_median_s=round(median, 4),
+        tokens_per_s=round(sum(tokens) / total_s, 1),
+        real_tokens_per_step=round(sum(tokens) / len(tokens), 1),
+        slots_per_step=round(sum(slots) / len(slots), 1),
+        padding_fraction=round(1 - sum(tokens) / sum(slots), 4),
+        step_losses=[round(x, 6) for x in losses],
+        gpu_busy_fraction=(round(launches["gpu_kernel_ms"] / (median * 1000), 3)
+                           if launches["gpu_kernel_ms"] is not None else None),
+        model_tflops=round(flops_model / total_s / 1e12, 3),
+        hardware_tflops=round(flops_hw / total_s / 1e12, 3),
+        mfu=round(flops_model / total_s / 1e12 / peak_tflops, 4),
+        hfu=round(flops_hw / total_s / 1e12 / peak_tflops, 4),
+        peak_memory_gib=measure.peak_memory_gib(device),
+        dynamo_after_warmup=dyn_after,
+        recompiles_after_warmup=measure.recompiles(dyn_after),
+        triton_during_warmup=measure.delta(counters1[0], counters0[0]),
+        triton_after_warmup=measure.delta(counters2[0], counters1[0]),
+    )
+
+
+def _timed(fn, device) -> tuple[float, float]:
+    measure.sync(device)
+    start = time.perf_counter()
+    loss = fn()
+    measure.sync(device)
+    return time.perf_counter() - start, float(loss)
+
+
+def run_path(setup: Setup, name: str) -> dict:
+    """Measure one path; never raises (errors, OOMs and skips are recorded)."""
+    spec = PATHS[name]
+    record = {"name": name, "layout": spec.layout, "summary": spec.summary, "status": "ok", "notes": [],
+              "attempts": []}
+    mbs = setup.micro_batch_size if spec.layout == "padded" else 1
+    started = time.perf_counter()
+    log(f"\n===== {name}: {spec.summary}")
+    while True:
+        try:
+            measure_path(setup, name, mbs, record, started)
+            break
+        except PathSkipped as exc:
+            record.update(status="skipped", error=str(exc))
+            log(f"[{name}] skipped: {exc}")
+            break
+        except Exception as exc:  # recorded; the run goes on
+            oom = measure.is_oom(exc)
+            message = f"{type(exc).__name__}: {str(exc)[:1500]}"
+            record["attempts"].append({"micro_batch_size": mbs if spec.layout == "padded" else None,
+                                       "error": message, "oom": oom})
+            tail = traceback.format_exc()[-3000:]
+            del exc
+            for p in setup.trainable:
+                p.grad = None
+            measure.free_memory(setup.device)
+            log(f"[{name}] {'OUT OF MEMORY' if oom else 'ERROR'}: {message[:500]}")
+            if oom and spec.layout == "padded" and setup.args.oom_retry and mbs > 1:
+                mbs //= 2
+                log(f"[{name}] retrying with micro batch size {mbs}")
+                continue
+            record.update(status="oom" if oom else "error", error=message, traceback=tail)
+            break
+    for key in ("launches",):
+        record.setdefault(key, None)
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    for p in setup.trainable:
+        p.grad = None
+    measure.free_memory(setup.device)
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+
+
+def compare_calibration(records: list[dict], dtype: torch.dtype) -> dict:
+    """Every path's calibration loss against the reference path's (stock torch if it ran)."""
+    have = {r["name"]: r["calibration_loss"] for r in records if r.get("calibration_loss") is not None}
+    tol = TOLERANCE.get(dtype, 1e-2)
+    if not have:
+        return {"reference": None, "max_rel_diff": None, "tolerance": tol, "agree": None}
+    ref_name = next((n for n in ("stock-torch-padded", "fastqwen") if n in have), next(iter(have)))
+    ref = have[ref_name]
+    for r in records:
+        if r["name"] in have:
+            r["calibration_rel_diff"] = abs(have[r["name"]] - ref) / max(abs(ref), 1e-12)
+    worst = max(r.get("calibration_rel_diff", 0.0) for r in records)
+    return {"reference": ref_name, "max_rel_diff": worst, "tolerance": tol, "agree": worst <= tol,
+            "paths": sorted(have)}
+
+
+def _fmt(value, spec: str = "", none: str = "-") -> str:
+    if value is None:
+        return none
+    return format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    m, wl = result["model"], result["workload"]
+    lines = [
+        f"# axolotl_fastqwen bench: {m['shape']} x{m['layers']} layers, {m['finetune']}"
+        f"{' + gradient checkpointing' if m['gradient_checkpointing'] else ''}, {m['dtype']}",
+        "",
+        f"{result['versions'].get('gpu') or result['device']}; torch {result['versions'].get('torch')}, "
+        f"Triton {result['versions'].get('triton')}, transformers {result['versions'].get('transformers')}, "
+        f"fla {result['versions'].get('fla')}, causal-conv1d {result['versions'].get('causal_conv1d')}; "
+        f"peak {result['peak']['tflops']} TFLOP/s ({result['peak']['method']}).",
+        f"Stream: {wl['length_distribution']}; packed rows of {wl['budget']} tokens; padded batches of "
+        f"{wl['micro_batch_size']} sequences ({wl['micro_batch_size_rule']}).",
+        "",
+        "| path | layout | status | tokens/s | step ms (median) | launches / step | GPU busy | MFU (HFU) "
+        "| peak GiB | calib. loss (rel. diff) | after warm-up: recompiles / autotunes / compiles |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["paths"]:
+        launches = r.get("launches") or {}
+        count = launches.get("count")
+        unit = "" if launches.get("unit") == "cuda_kernels" else " cpu ops"
+        tri = r.get("triton_after_warmup") or {}
+        status = r["status"] + (f" (mbs {r['micro_batch_size']})" if r.get("micro_batch_size") else "")
+        if r.get("truncated"):
+            status += ", truncated"
+        calib = (f"{r['calibration_loss']:.5f} ({r.get('calibration_rel_diff', 0):.1e})"
+                 if r.get("calibration_loss") is not None else "-")
+        busy = (f"{launches['gpu_kernel_ms']:.0f} / {r['step_time_median_s'] * 1000:.0f} ms "
+                f"({r['gpu_busy_fraction']:.0%})" if r.get("gpu_busy_fraction") is not None else "-")
+        after = (f"{r.get('recompiles_after_warmup', 0)} / {tri.get('autotune_new_keys', 0)} / "
+                 f"{tri.get('jit_compiles', 0)}" if r["status"] == "ok" else "-")
+        mfu = f"{r['mfu']:.1%} ({r['hfu']:.1%})" if r.get("mfu") is not None else "-"
+        lines.append(
+            f"| {r['name']} | {r['layout']} | {status} | {_fmt(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_fmt(r.get('step_time_median_s') and r['step_time_median_s'] * 1000, ',.1f')} "
+            f"| {_fmt(count, ',')}{unit if count is not None else ''} | {busy} | {mfu} "
+            f"| {_fmt(r.get('peak_memory_gib'), '.1f')} | {calib} | {after} |"
+        )
+    cal = result["calibration"]
+    lines += [
+        "",
+        f"Calibration: every path's loss on the same first packed row's {wl['calibration_sequences']} sequences "
+        f"(padded paths: in micro-batches), reference {cal['reference']}: max rel. diff "
+        f"{_fmt(cal['max_rel_diff'], '.2e')} (tolerance {cal['tolerance']:.0e}: "
+        f"{'agree' if cal['agree'] else 'DISAGREE' if cal['agree'] is False else 'n/a'}).",
+        "",
+        f"MFU: {result['flops']['formula']}",
+    ]
+    notes = [f"- {r['name']}: {r['error'][:300]}" for r in result["paths"] if r.get("error")]
+    notes += [f"- {r['name']}: {n}" for r in result["paths"] for n in r.get("notes", [])]
+    notes += [f"- {n}" for n in result.get("notes", [])]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> str:
+    """bench.png: tokens/s and launches per step per path. Returns what was done."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f"skipped: matplotlib unavailable ({type(exc).__name__})"
+    rows = [r for r in result["paths"] if r["status"] == "ok"]
+    if not rows:
+        return "skipped: no path ran"
+    names = [r["name"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.6 * len(rows) + 1.8))
+    axes[0].barh(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    axes[0].set_xlabel("real tokens / s")
+    unit = rows[0]["launches"]["unit"]
+    axes[1].barh(names, [r["launches"]["count"] for r in rows], color="tab:orange")
+    axes[1].set_xlabel("kernel launches / step" if unit == "cuda_kernels" else "CPU ops / step")
+    axes[1].set_yticklabels([])
+    for ax in axes:
+        ax.invert_yaxis()
+    m = result["model"]
+    fig.suptitle(f"{m['shape']} x{m['layers']} layers, {m['finetune']}, {result['versions'].get('gpu') or 'cpu'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return "written"
+
+
+def write_outputs(result: dict, out: str, final: bool) -> None:
+    os.makedirs(out, exist_ok=True)
+    result["partial"] = not final
+    result["paths"] = sorted(result["paths"], key=lambda r: list(PATHS).index(r["name"]))
+    if final:
+        result["png"] = plot(result, os.path.join(out, "bench.png"))
+        if result["png"] != "written":
+            result["notes"].append(f"bench.png {result['png']}")
+        with open(os.path.join(out, "bench.md"), "w") as f:
+            f.write(markdown(result))
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+def environment(device: torch.device) -> dict:
+    from ..ops.availability import versions
+
+    v = versions()
+    v["driver"] = measure.driver_version() if device.type == "cuda" else None
+    v["python"] = sys.version.split()[0]
+    return v
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    names = parse_paths(args.paths)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    start = time.time()
+    setup = prepare(args, steps_per_path=args.warmup + 1 + args.steps)
+    w = setup.workload
+    result = {
+        "schema": SCHEMA,
+        "command": ["python", "-m", "axolotl_fastqwen", "bench", *(argv if argv is not None else sys.argv[1:])],
+        "args": vars(args),
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(setup.device),
+        "versions": environment(setup.device),
+        "triton_hooks": dict(TRITON.hooks),
+        "model": setup.info,
+        "workload": {
+            **w.describe(),
+            "budget": w.budget,
+            "micro_batch_size": setup.micro_batch_size,
+            "micro_batch_size_rule": "given" if args.micro_batch_size else
+            "mean sequences per packed row (about as many real tokens per padded step as per packed step)",
+            "steps_per_path": {"warmup": args.warmup, "profiled": 1, "timed": args.steps},
+        },
+        "peak": setup.peak,
+        "flops": {
+            "formula": measure.MFU_FORMULA,
+            "matmul_params_per_token": setup.matmul,
+            "gdn_forward_flops_per_token_per_layer": measure.gdn_flops_per_token(setup.config),
+            "lora_params": setup.lora_params,
+        },
+        "launch_unit": "cuda_kernels" if setup.device.type == "cuda" else
+        "cpu_ops (no GPU: CPU operator events are counted instead of kernel launches)",
+        "paths": [],
+        "notes": [],
+    }
+    if setup.device.type != "cuda":
+        result["notes"].append("CPU run: launches are CPU operator events, GPU time and peak memory are n/a, "
+                               "MFU is relative to a CPU fp32 matmul (not meaningful)")
+    log(f"[setup] stream: {w.describe()}; padded micro batch {setup.micro_batch_size}; paths: {', '.join(names)}")
+    for name in names:
+        result["paths"].append(run_path(setup, name))
+        result["calibration"] = compare_calibration(result["paths"], setup.dtype)
+        write_outputs(result, args.out, final=False)
+    result["calibration"] = compare_calibration(result["paths"], setup.dtype)
+    result["wall_seconds"] = round(time.time() - start, 1)
+    write_outputs(result, args.out, final=True)
+    log(f"\nwrote {os.path.join(args.out, 'bench.json')}, bench.md{', bench.png' if result['png'] == 'written' else ''}\n")
+    log(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

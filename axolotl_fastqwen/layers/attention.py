@@ -1,0 +1,41 @@
+"""Gated full attention over a packed row: varlen kernels, no T x T mask, no cross-sequence reads.
+
+Same math as the stock layer (q and output gate from one projection, zero-centred q/k RMSNorm,
+partial rotary, sigmoid output gate), with the attention call replaced by a varlen kernel over
+the boundaries resolved for the whole forward. Unpacked batches and generation keep the stock path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..boundaries import BOUNDARIES_KWARG
+
+
+def attention_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    patch = self._fastqwen
+    boundaries = kwargs.get(BOUNDARIES_KWARG)
+    if boundaries is None or past_key_values is not None:
+        return patch.original_forward(
+            hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values, **kwargs
+        )
+    batch, seq_len, _ = hidden_states.shape
+    x = hidden_states.reshape(1, batch * seq_len, -1)
+    tokens = x.shape[1]
+    query, gate = torch.chunk(self.q_proj(x).view(1, tokens, -1, 2 * self.head_dim), 2, dim=-1)
+    gate = gate.reshape(1, tokens, -1)
+    query = self.q_norm(query)
+    key = self.k_norm(self.k_proj(x).view(1, tokens, -1, self.head_dim))
+    value = self.v_proj(x).view(1, tokens, -1, self.head_dim)
+
+    cos, sin = position_embeddings
+    cos, sin = cos.reshape(1, tokens, -1), sin.reshape(1, tokens, -1)
+    # [1, T, H, D] layout: heads on dim 2, so the varlen kernels get [T, H, D] without a transpose
+    query, key = patch.family.rotary()(query, key, cos, sin, unsqueeze_dim=2)
+
+    out = patch.kernels.varlen_attention(
+        query[0], key[0], value[0], boundaries=boundaries, scale=self.scaling,
+        dropout=self.attention_dropout if self.training else 0.0,
+    )
+    out = out.reshape(1, tokens, -1) * torch.sigmoid(gate)
+    return self.o_proj(out).reshape(batch, seq_len, -1), None

@@ -1,0 +1,43 @@
+"""The Gated DeltaNet forward: projections -> boundary-exact conv -> gated delta rule -> gated norm.
+
+It calls the layer's own submodules (`in_proj_*`, `out_proj`), so peft LoRA wrappers on them keep
+working, and takes the kernels and the batch's boundaries from outside: kernels chosen at patch
+time, boundaries resolved once per forward by the model-level hook.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..boundaries import BOUNDARIES_KWARG
+
+
+def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
+    patch = self._fastqwen
+    if cache_params is not None:
+        # Generation with a recurrent cache (prefill + decode) keeps the stock path.
+        return patch.original_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    kernels = patch.kernels
+    boundaries = kwargs.get(BOUNDARIES_KWARG)
+    batch, seq_len, _ = hidden_states.shape
+    if boundaries is None:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            # padded rows, as stock: padding tokens carry no signal into the conv or the state
+            hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
+    elif batch != 1:
+        hidden_states = hidden_states.reshape(1, batch * seq_len, -1)  # packed rows: one stream
+
+    mixed_qkv, z, b, a = patch.family.project_gated_deltanet(self, hidden_states)
+    mixed_qkv = kernels.causal_conv(
+        mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, boundaries=boundaries
+    )
+    rows, tokens = mixed_qkv.shape[:2]
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(rows, tokens, self.num_k_heads, self.head_k_dim)
+    key = key.reshape(rows, tokens, self.num_k_heads, self.head_k_dim)
+    value = value.reshape(rows, tokens, self.num_v_heads, self.head_v_dim)
+
+    core = kernels.gated_delta_rule(query, key, value, a, b, self.A_log, self.dt_bias, boundaries=boundaries)
+    core = kernels.gated_rmsnorm(core, z, self.norm.weight, eps=self.norm.variance_epsilon)
+    output = self.out_proj(core.reshape(rows, tokens, -1))
+    return output.reshape(batch, seq_len, -1)

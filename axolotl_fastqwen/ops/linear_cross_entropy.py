@@ -1,0 +1,100 @@
+"""Cross-entropy of `hidden @ lm_head.T` without ever holding the full logits.
+
+With Qwen's 248,320-token vocabulary, 8,192 tokens of fp32 logits are 7.7 GB (users report OOMs
+in the loss). Here the tokens are processed in chunks: each chunk's logits exist only while its
+loss and its gradients w.r.t. the hidden states (and, in full fine-tuning, the lm_head weight) are
+computed, during the forward. Backward only scales the stored gradients. The loss is defined
+exactly as transformers' `ForCausalLMLoss` (shifted labels, -100 ignored, sum over
+`num_items_in_batch` when the Trainer passes it, else the mean).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+# Elements of fp32 logits held at once (~1 GiB): 1,081 tokens at a 248k vocabulary.
+CHUNK_ELEMENTS = 1 << 28
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Targets of each position (the next label), as transformers' causal LM loss shifts them."""
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Loss of `hidden @ weight.T` against already-shifted `targets`.
+
+    hidden `[..., H]`, weight `[V, H]`, targets `[...]`. Returns a 0-dim fp32 tensor: the sum of
+    per-token losses over `num_items_in_batch` if given, else their mean (0 if no token counts,
+    where PyTorch's mean would give NaN; such a batch then trains nothing, as it should).
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(h.device)
+    if chunk_tokens is None:
+        chunk_tokens = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    if num_items_in_batch is None:
+        normalizer = (t != ignore_index).sum().clamp(min=1).to(torch.promote_types(h.dtype, torch.float32))
+    else:
+        normalizer = torch.as_tensor(num_items_in_batch, device=h.device).to(torch.promote_types(h.dtype, torch.float32))
+    return _ChunkedLinearCrossEntropy.apply(h, weight, t, normalizer, ignore_index, chunk_tokens)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, normalizer, ignore_index, chunk_tokens):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.promote_types(h.dtype, torch.float32)  # logits and sums in at least fp32
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        loss = torch.zeros((), dtype=acc, device=h.device)
+        for start in range(0, h.shape[0], chunk_tokens):
+            hc = h[start : start + chunk_tokens]
+            tc = targets[start : start + chunk_tokens]
+            logits = (hc @ weight.T).to(acc)
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = tc != ignore_index
+            safe_t = torch.where(valid, tc, 0)
+            picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+            loss += torch.where(valid, lse - picked, 0.0).sum()
+            if need_h or need_w:
+                # d(sum of losses)/d logits = softmax - onehot(target), zero on ignored rows
+                grad = logits.sub_(lse.unsqueeze(1)).exp_()
+                grad[torch.arange(grad.shape[0], device=grad.device), safe_t] -= 1.0
+                grad *= valid.unsqueeze(1)
+                grad = grad.to(h.dtype)
+                if need_h:
+                    grad_h[start : start + chunk_tokens] = grad @ weight
+                if need_w:
+                    grad_w += (grad.T @ hc).to(acc)
+        ctx.save_for_backward(grad_h, grad_w, normalizer)
+        ctx.weight_dtype = weight.dtype
+        return loss / normalizer
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, normalizer = ctx.saved_tensors
+        scale = grad_loss / normalizer
+        dh = (grad_h * scale.to(grad_h.dtype)) if grad_h is not None else None
+        dw = (grad_w * scale).to(ctx.weight_dtype) if grad_w is not None else None
+        return dh, dw, None, None, None, None
+
+
+def reference_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """transformers' definition on materialised logits (tests only)."""
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = torch.nn.functional.cross_entropy(
+        logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction=reduction,
+    )
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss

@@ -1,0 +1,181 @@
+"""Wiring the packer into Axolotl's trainer: its collator signature, its samplers, its step count.
+
+Kept apart from the packer itself (which needs neither Axolotl nor transformers) so that
+`axolotl_fastqwen.packing` stays usable with any Trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import types
+
+import numpy as np
+
+from .collator import PackedCollator
+from .planner import Piece
+from .sampler import PackedBatchSampler
+from .stats import packing_stats
+
+LOG = logging.getLogger("axolotl_fastqwen")
+
+# keyword arguments Axolotl's builder passes to every collator; the packer has no use for them
+_AXOLOTL_COLLATOR_KWARGS = {"padding", "pad_to_multiple_of", "return_tensors", "emit_fa_varlen_kwargs"}
+
+
+class AxolotlPackedCollator(PackedCollator):
+    """`PackedCollator` under Axolotl's calling convention: `cls(tokenizer, padding=..., ...)`."""
+
+    def __init__(self, tokenizer=None, *, token_budget: int, **kwargs):
+        unknown = set(kwargs) - _AXOLOTL_COLLATOR_KWARGS
+        if unknown:
+            LOG.debug("axolotl_fastqwen: collator ignores %s", sorted(unknown))
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tokenizer, "eos_token_id", None) or 0
+        super().__init__(token_budget, pad_token_id=pad)
+
+
+class AxolotlPackedBatchSampler(PackedBatchSampler):
+    """The packed sampler, yielding plain index lists only.
+
+    Overlong samples are cut before planning (`fit_to_budget`), so the plan holds no `Piece`
+    except fillers; a filler bin is yielded empty and the collator turns it into an all-padding
+    row whose labels are all -100 (a real, lossless forward).
+    """
+
+    def __iter__(self):
+        for bin_ in super().__iter__():
+            yield [item for item in bin_ if not (isinstance(item, Piece) and item.filler)]
+
+
+def fit_to_budget(dataset, token_budget: int, mode: str):
+    """Apply `fastqwen_overlong` to a tokenized `datasets.Dataset` (truncate or split rows)."""
+    if mode == "error":
+        return dataset
+    columns = [c for c in ("input_ids", "labels", "attention_mask", "position_ids") if c in dataset.column_names]
+
+    def cut(batch):
+        out = {c: [] for c in batch}
+        for i in range(len(batch["input_ids"])):
+            n = len(batch["input_ids"][i])
+            stops = [min(n, token_budget)] if mode == "truncate" else range(token_budget, n + token_budget, token_budget)
+            start = 0
+            for stop in stops:
+                stop = min(stop, n)
+                for c in batch:
+                    value = batch[c][i]
+                    if c in columns:
+                        value = value[start:stop]
+                        if c == "position_ids":
+                            value = [p - value[0] for p in value]
+                    elif c == "length":
+                        value = stop - start
+                    out[c].append(value)
+                start = stop
+        return out
+
+    return dataset.map(cut, batched=True, desc=f"fastqwen_overlong: {mode}")
+
+
+def _lengths(dataset) -> np.ndarray:
+    from axolotl.utils.samplers.utils import get_dataset_lengths
+
+    return np.asarray(get_dataset_lengths(dataset))
+
+
+def install_packed_sampler(trainer, cfg) -> dict:
+    """Give `trainer` the packed batch samplers (train and eval) and the exact step count.
+
+    Returns the packing report (per epoch: samples, tokens, bins, padding, reduction vs padded
+    batches of `micro_batch_size`), which is also logged.
+    """
+    from ..args import token_budget as budget_of
+
+    budget = budget_of(cfg)
+    mode = cfg.get("fastqwen_overlong") or "error"
+    seed = trainer.args.data_seed if getattr(trainer.args, "data_seed", None) is not None else trainer.args.seed
+    replicas = trainer._data_parallel_size() if hasattr(trainer, "_data_parallel_size") else trainer.args.world_size
+
+    trainer.train_dataset = fit_to_budget(trainer.train_dataset, budget, mode)
+    train_sampler = AxolotlPackedBatchSampler(_lengths(trainer.train_dataset), budget, seed=seed, num_replicas=replicas)
+    eval_samplers = {}
+
+    def train_sampler_fn(self, train_dataset=None):
+        return train_sampler
+
+    def eval_sampler_fn(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            return None
+        key = id(dataset)
+        if key not in eval_samplers:
+            eval_samplers[key] = AxolotlPackedBatchSampler(_lengths(dataset), budget, seed=seed, num_replicas=replicas)
+        return eval_samplers[key]
+
+    trainer._get_train_sampler = types.MethodType(train_sampler_fn, trainer)
+    trainer._get_eval_sampler = types.MethodType(eval_sampler_fn, trainer)
+    if hasattr(trainer.eval_dataset, "column_names"):
+        trainer.eval_dataset = fit_to_budget(trainer.eval_dataset, budget, mode)
+    _forward_epochs_on_resume(trainer)
+
+    report = _report(trainer, cfg, train_sampler, budget, replicas)
+    _exact_steps(trainer, cfg, len(train_sampler) // replicas)
+    report["optimizer_steps"] = trainer.args.max_steps
+    return report
+
+
+def _forward_epochs_on_resume(trainer) -> None:
+    """accelerate forwards `set_epoch` to the sampler, except through the `SkipBatchSampler` a
+    mid-epoch resume wraps it in; Axolotl's `_run_epoch` receives the epoch number, so set it there."""
+    run_epoch = getattr(trainer, "_run_epoch", None)
+    if run_epoch is None:
+        return
+
+    def _run_epoch(self, model, epoch, train_dataloader, **kwargs):
+        pending, seen = [train_dataloader], set()
+        while pending:
+            current = pending.pop()
+            if current is None or id(current) in seen:
+                continue
+            seen.add(id(current))
+            if isinstance(current, PackedBatchSampler):
+                current.set_epoch(epoch)
+            pending += [getattr(current, a, None) for a in ("batch_sampler", "sampler", "base_dataloader")]
+        return run_epoch(model, epoch, train_dataloader, **kwargs)
+
+    trainer._run_epoch = types.MethodType(_run_epoch, trainer)
+
+
+def _exact_steps(trainer, cfg, batches_per_rank: int) -> None:
+    """Axolotl sized the run for unpacked batches of micro_batch_size; size it for the packed rows."""
+    if cfg.get("max_steps"):
+        return
+    accum = max(1, int(trainer.args.gradient_accumulation_steps))
+    per_epoch = max(1, math.ceil(batches_per_rank / accum))
+    total = math.ceil(per_epoch * float(trainer.args.num_train_epochs))
+    trainer.args.max_steps = total
+    if cfg.get("warmup_steps") is None:  # Axolotl's own rule, on the true step count
+        ratio = cfg.get("warmup_ratio")
+        warmup = max(int(ratio * total), 0) if ratio is not None else min(int(0.03 * total), 100)
+        trainer.args.warmup_steps = 2 if warmup == 1 else warmup
+    LOG.info("axolotl_fastqwen: %d packed rows per rank per epoch -> max_steps %d", batches_per_rank, total)
+
+
+def _report(trainer, cfg, sampler, budget, replicas) -> dict:
+    lengths = sampler.lengths
+    epochs = max(1, math.ceil(float(trainer.args.num_train_epochs or 1)))
+    mbs = int(cfg.get("micro_batch_size") or 1)
+    per_epoch = []
+    for epoch in range(min(epochs, 8)):
+        stats = packing_stats(lengths, budget, mbs, seed=sampler.seed, epoch=epoch, num_replicas=replicas)
+        LOG.info("axolotl_fastqwen: epoch %d: %s", epoch, stats.format())
+        per_epoch.append({
+            **dataclasses.asdict(stats),
+            "padding_fraction": stats.padding_fraction,
+            "reduction_vs_padded_pct": stats.reduction_pct,
+            "over_lower_bound_pct": stats.over_lower_bound_pct,
+        })
+    return {"active": True, "token_budget": budget, "row_shape": [1, budget], "replicas": replicas,
+            "overlong": cfg.get("fastqwen_overlong") or "error", "epochs": per_epoch}

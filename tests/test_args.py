@@ -1,0 +1,45 @@
+"""The plugin's config keys: every contradiction fails naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from axolotl_fastqwen.args import FastQwenArgs, token_budget
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"fastqwen_token_budget": 1000}, "fastqwen_token_budget must be a positive multiple of 64, got 1000; use e.g. fastqwen_token_budget: 1024"),
+        ({"fastqwen_token_budget": 0}, "got 0; use e.g. fastqwen_token_budget: 64"),
+        ({"fastqwen_token_budget": -128}, "got -128"),
+        ({"sample_packing": True}, "`sample_packing: True`"),
+        ({"batch_flattening": True}, "`batch_flattening: True`"),
+        ({"eval_sample_packing": True}, "`eval_sample_packing: True`"),
+        ({"pretraining_dataset": [{"path": "x"}]}, "streaming pretraining data"),
+        ({"rl": "dpo"}, "`rl: dpo`"),
+        ({"group_by_length": True}, "length-grouped"),
+        ({"context_parallel_size": 2}, "context_parallel_size > 1"),
+        ({"fastqwen_kernels": "fast"}, "fastqwen_kernels"),
+        ({"fastqwen_overlong": "drop"}, "fastqwen_overlong"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(data, message):
+    with pytest.raises(ValidationError) as err:
+        FastQwenArgs.model_validate(data)
+    assert message in str(err.value)
+    if "fastqwen_packing" not in data and any(k in data for k in ("sample_packing", "rl", "batch_flattening")):
+        assert "set `fastqwen_packing: false`" in str(err.value)
+
+
+def test_packing_off_allows_axolotl_packing():
+    FastQwenArgs.model_validate({"fastqwen_packing": False, "sample_packing": True})
+
+
+def test_defaults_and_budget():
+    args = FastQwenArgs.model_validate({})
+    assert (args.fastqwen_packing, args.fastqwen_kernels, args.fastqwen_overlong, args.fastqwen_fused_ce) == (
+        True, "auto", "error", True)
+    assert token_budget({"sequence_len": 500, "micro_batch_size": 3}) == 1536  # 1500 rounded up to 64
+    assert token_budget({"fastqwen_token_budget": 4096, "sequence_len": 512}) == 4096

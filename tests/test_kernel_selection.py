@@ -1,0 +1,95 @@
+"""Kernel selection and the self-check: nothing falls back, or fails, silently.
+
+The self-check is exercised on CPU with real backends built to misbehave (one wrong by 10%, one
+that raises), registered exactly like fla's: it must demote both, say why, and pick the next.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from axolotl_fastqwen import kernels as K
+from axolotl_fastqwen.ops.gated_rmsnorm import reference_gated_rmsnorm
+from axolotl_fastqwen.registry import kernel_backends
+
+SHAPES = K.CheckShapes(key_heads=2, value_heads=4, key_dim=16, value_dim=16, conv_width=4, q_heads=4, kv_heads=2,
+                       head_dim=16, dtype=torch.float32)
+
+
+def _cpu(device):
+    return None
+
+
+def off_by_ten_percent(x, z, weight, *, eps):
+    return 1.1 * reference_gated_rmsnorm(x, z, weight, eps=eps)
+
+
+def crashes(x, z, weight, *, eps):
+    raise RuntimeError("illegal memory access (simulated)")
+
+
+def backends_with(*extra):
+    return [b for b in kernel_backends()] + list(extra)
+
+
+def test_cpu_selection_is_the_reference_with_reasons():
+    ks = K.select_kernels("cpu", "auto")
+    assert ks.names() == {"gated_delta_rule": "torch", "causal_conv": "torch", "gated_rmsnorm": "torch",
+                          "varlen_attention": "torch", "linear_cross_entropy": "torch-chunked"}
+    assert ("fla", "needs a CUDA device (model is on cpu)") in ks.choices["gated_delta_rule"].rejected
+
+
+def test_missing_kernel_on_a_gpu_is_reported_and_warned(caplog):
+    missing = lambda device: "not installed (pip install something)"  # noqa: E731
+    backs = [K.KernelBackend(b.op, b.name, b.fn, b.priority, missing if b.library else b.available,
+                             b.library, b.fallback) for b in kernel_backends()]
+    with caplog.at_level(logging.WARNING, logger="axolotl_fastqwen"):
+        ks = K.select_kernels("cuda", "auto", backends=backs)
+    # torch-varlen needs no library but does need CUDA, which this CPU machine lacks: also the reference
+    assert ks.names()["gated_delta_rule"] == "torch"
+    assert ("fla", "not installed (pip install something)") in ks.choices["gated_delta_rule"].rejected
+    assert "SLOW PATH" in caplog.text and "gated_delta_rule -> torch" in caplog.text
+    with pytest.raises(K.KernelUnavailableError, match="fastqwen_kernels: require"):
+        K.select_kernels("cuda", "require", backends=backs)
+
+
+@pytest.mark.parametrize("grad_mode", [torch.enable_grad, torch.no_grad])
+def test_selfcheck_demotes_wrong_and_crashing_kernels(grad_mode, caplog):
+    wrong = K.KernelBackend("gated_rmsnorm", "wrong", off_by_ten_percent, 200, _cpu, "fla")
+    broken = K.KernelBackend("gated_rmsnorm", "broken", crashes, 150, _cpu, "fla")
+    backs = backends_with(wrong, broken)
+    ks = K.select_kernels("cpu", "auto", backends=backs)
+    assert ks.names()["gated_rmsnorm"] == "wrong"
+    ks.checked = False  # on CPU only GPU kernels are checked; these pretend to be GPU kernels
+    with grad_mode(), caplog.at_level(logging.WARNING, logger="axolotl_fastqwen"):
+        K.selfcheck(ks, SHAPES, backends=backs)
+    choice = ks.choices["gated_rmsnorm"]
+    assert choice.backend.name == "torch"
+    reasons = dict(choice.rejected)
+    assert reasons["wrong"].startswith("self-check: rel. error") and "> 2e-03" in reasons["wrong"]
+    assert reasons["broken"] == "self-check: raised RuntimeError: illegal memory access (simulated)"
+    assert "self-check rejected gated_rmsnorm/wrong" in caplog.text
+
+
+def test_selfcheck_keeps_a_correct_kernel_and_records_its_error():
+    good = K.KernelBackend("gated_rmsnorm", "good", reference_gated_rmsnorm, 200, _cpu, "fla")
+    backs = backends_with(good)
+    ks = K.select_kernels("cpu", "auto", backends=backs)
+    ks.checked = False
+    K.selfcheck(ks, SHAPES, backends=backs)
+    assert ks.choices["gated_rmsnorm"].backend.name == "good"
+    assert ks.choices["gated_rmsnorm"].selfcheck.startswith("fwd+bwd rel. error 0.0e+00")
+
+
+def test_reference_mode_uses_pytorch_everywhere():
+    assert set(K.select_kernels("cpu", "reference").names().values()) == {"torch", "torch-chunked"}
+
+
+def test_prefer_picks_a_named_backend_and_rejects_unknown_names():
+    ks = K.select_kernels("cpu", "auto", prefer={"causal_conv": "torch"})
+    assert ks.names()["causal_conv"] == "torch"
+    with pytest.raises(ValueError, match="no backend 'nope' for causal_conv"):
+        K.select_kernels("cpu", "auto", prefer={"causal_conv": "nope"})

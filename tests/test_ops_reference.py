@@ -1,0 +1,152 @@
+"""The PyTorch reference ops: pinned to their definitions and to the stock transformers layers.
+
+These references are the CPU training path and the oracle every GPU kernel is checked against,
+so they are held to float64 round-off against the definition and to bitwise / fp32 round-off
+equality with the stock layers they replace.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from axolotl_fastqwen.boundaries import Boundaries
+from axolotl_fastqwen.ops.causal_conv import reference_causal_conv
+from axolotl_fastqwen.ops.gated_delta_rule import naive_recurrence, reference_gated_delta_rule
+from axolotl_fastqwen.ops.gated_rmsnorm import reference_gated_rmsnorm
+from axolotl_fastqwen.ops.linear_cross_entropy import linear_cross_entropy, reference_cross_entropy, shift_labels
+from axolotl_fastqwen.ops.varlen_attention import reference_varlen_attention
+from axolotl_fastqwen.stock import stock_torch_kernels, torch_fallback
+
+CPU = torch.device("cpu")
+LENGTHS = [37, 1, 64, 90]  # a 1-token sequence, a chunk-aligned one, unaligned starts
+
+
+def boundaries(lengths=LENGTHS):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return Boundaries.from_cu_seqlens(cu, device=CPU, host=cu)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def gdn_inputs(T, Hk=2, Hv=4, K=16, V=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return r(1, T, Hk, K), r(1, T, Hk, K), r(1, T, Hv, V), r(1, T, Hv), r(1, T, Hv), r(Hv) * 0.5, r(Hv) * 0.5
+
+
+def test_chunked_gated_delta_rule_equals_token_recurrence_float64():
+    q, k, v, a, b, A_log, dt = gdn_inputs(150)
+    assert rel(reference_gated_delta_rule(q, k, v, a, b, A_log, dt), naive_recurrence(q, k, v, a, b, A_log, dt)) < 1e-12
+
+
+def test_gated_delta_rule_matches_transformers_torch_fallback_bitwise():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    q, k, v, a, b, A_log, dt = (t.float() for t in gdn_inputs(150))
+    ours = reference_gated_delta_rule(q, k, v, a, b, A_log, dt)
+    g = -A_log.exp() * F.softplus(a + dt)
+    stock, _ = torch_fallback(mq.torch_chunk_gated_delta_rule)(
+        q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g=g, beta=b.sigmoid(), use_qk_l2norm_in_kernel=True
+    )
+    assert torch.equal(ours, stock)
+
+
+def test_varlen_gated_delta_rule_is_each_sequence_alone():
+    T = sum(LENGTHS)
+    q, k, v, a, b, A_log, dt = gdn_inputs(T)
+    packed = reference_gated_delta_rule(q, k, v, a, b, A_log, dt, boundaries=boundaries())
+    starts = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    alone = torch.cat(
+        [reference_gated_delta_rule(*(t[:, s:e] for t in (q, k, v, a, b)), A_log, dt) for s, e in zip(starts, starts[1:])], 1
+    )
+    assert rel(packed, alone) < 1e-14
+    # and without boundaries the same row is NOT the same: state flows across (the leak we prevent)
+    leaky = reference_gated_delta_rule(q, k, v, a, b, A_log, dt)
+    assert rel(leaky[:, LENGTHS[0] :], alone[:, LENGTHS[0] :]) > 1e-2
+
+
+def test_causal_conv_with_boundaries_is_each_sequence_alone():
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(1, sum(LENGTHS), 12, generator=g), torch.randn(12, 4, generator=g), torch.randn(12, generator=g)
+    packed = reference_causal_conv(x, w, bias, activation="silu", boundaries=boundaries())
+    starts = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    alone = torch.cat([reference_causal_conv(x[:, s:e], w, bias, activation="silu") for s, e in zip(starts, starts[1:])], 1)
+    assert rel(packed, alone) < 1e-6
+    leaky = reference_causal_conv(x, w, bias, activation="silu")
+    assert rel(leaky, alone) > 1e-3
+
+
+def test_causal_conv_without_boundaries_is_the_stock_conv_bitwise():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    x, w = torch.randn(2, 50, 12), torch.randn(12, 4)
+    stock = torch_fallback(mq.causal_conv1d_fn)(x.transpose(1, 2), w, None, activation="silu").transpose(1, 2)
+    assert torch.equal(reference_causal_conv(x, w, None, activation="silu"), stock)
+
+
+def test_gated_rmsnorm_is_the_stock_module_bitwise():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    norm = Qwen3_5RMSNormGated(16, eps=1e-6)
+    norm.weight.data = torch.randn(16)
+    x, z = torch.randn(30, 16), torch.randn(30, 16)
+    assert torch.equal(reference_gated_rmsnorm(x, z, norm.weight, eps=1e-6), norm(x, z))
+
+
+def test_varlen_attention_is_block_diagonal_causal_attention():
+    T, Hq, Hkv, D = sum(LENGTHS), 4, 2, 16
+    q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    ours = reference_varlen_attention(q, k, v, boundaries=boundaries(), scale=D**-0.5)
+    seq = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    allowed = (seq[:, None] == seq[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    full = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=allowed, scale=D**-0.5,
+    ).transpose(0, 1)
+    assert rel(ours, full) < 1e-6
+
+
+@pytest.mark.parametrize("num_items", [None, 57])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_linear_cross_entropy_matches_transformers_loss_and_grads(num_items, weight_grad):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 40, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(300, 32, generator=g, dtype=torch.float64, requires_grad=weight_grad)
+    labels = torch.randint(0, 300, (2, 40), generator=g)
+    labels[0, :5] = -100
+    targets = shift_labels(labels)
+    n = torch.tensor(num_items) if num_items else None
+    ours = linear_cross_entropy(h, w, targets, num_items_in_batch=n, chunk_tokens=7)  # chunks not dividing 80
+    ours.backward()
+    grads = (h.grad.clone(), w.grad.clone() if weight_grad else None)
+    h.grad = None
+    if weight_grad:
+        w.grad = None
+    ref = reference_cross_entropy(h @ w.T, targets, n)
+    ref.backward()
+    assert abs(float(ours.detach() - ref.detach())) < 1e-12 * abs(float(ref.detach()))
+    assert rel(grads[0], h.grad) < 1e-12
+    if weight_grad:
+        assert rel(grads[1], w.grad) < 1e-12
+    else:
+        assert w.grad is None
+
+
+def test_linear_cross_entropy_of_a_batch_without_targets_is_zero_not_nan():
+    h = torch.randn(1, 8, 4, requires_grad=True)
+    loss = linear_cross_entropy(h, torch.randn(10, 4), torch.full((1, 8), -100))
+    loss.backward()
+    assert float(loss) == 0.0 and torch.count_nonzero(h.grad) == 0
+
+
+def test_stock_torch_kernels_context_switches_and_restores():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    before = mq.torch_chunk_gated_delta_rule
+    with stock_torch_kernels("qwen3_5"):
+        assert mq.torch_chunk_gated_delta_rule is torch_fallback(before)
+    assert mq.torch_chunk_gated_delta_rule is before

@@ -1,0 +1,258 @@
+"""Patched vs stock Qwen hybrid models on CPU, fp32: every family, LoRA, checkpointing, packing.
+
+Tolerance: both sides run the same fp32 math in a different order (chunked vs stock loops,
+per-sequence vs masked attention), so they agree to fp32 round-off: relative error <= 1e-5 on
+logits and on the concatenation of all parameter gradients ("global"), <= 1e-4 on any single
+gradient tensor (a tiny tensor such as dt_bias sums few terms, so its relative error is noisier).
+A leak across packed sequences is O(1e-1) (asserted below so these tests can fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from axolotl_fastqwen import patch_model, unpatch_model
+from axolotl_fastqwen.boundaries import BoundaryError
+from axolotl_fastqwen.families import UnsupportedModelError
+from axolotl_fastqwen.kernels import KernelUnavailableError
+from axolotl_fastqwen.packing import PackedCollator
+from axolotl_fastqwen.stock import stock_torch_kernels
+from axolotl_fastqwen.tools.tiny_assets import build_tiny_model
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+TOL, TENSOR_TOL = 1e-5, 1e-4
+LENGTHS = [37, 1, 70, 20]
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def sequences(vocab, lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(ours, stock):
+    assert ours.keys() == stock.keys()
+    flat = lambda g: torch.cat([g[k].flatten() for k in sorted(g)])  # noqa: E731
+    assert rel(flat(ours), flat(stock)) <= TOL
+    worst = max(stock, key=lambda k: rel(ours[k], stock[k]))
+    assert rel(ours[worst], stock[worst]) <= TENSOR_TOL, worst
+
+
+def loss_and_grads(model, **batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), grads(model)
+
+
+def model_for(family, **kw):
+    model = build_tiny_model(family, **kw)
+    model.config._attn_implementation = "sdpa"
+    return model.train()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpacked_batch_matches_stock(family):
+    model = model_for(family)
+    ids = torch.stack(sequences(model.config.vocab_size, [48, 48]))
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0  # one right-padded row
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    with stock_torch_kernels(family):
+        stock_logits = model(input_ids=ids, attention_mask=mask).logits.detach()
+        stock_loss, stock_grads = loss_and_grads(model, **batch)
+    report = patch_model(model)
+    assert report.gated_deltanet_layers == 3 and report.attention_layers == 1
+    assert report.fused_cross_entropy == "torch-chunked"
+    logits = model(input_ids=ids, attention_mask=mask).logits.detach()
+    loss, ours = loss_and_grads(model, **batch)
+    assert rel(logits[mask.bool()], stock_logits[mask.bool()]) <= TOL
+    assert abs(float(loss - stock_loss)) <= TOL * float(stock_loss)
+    assert_grads_close(ours, stock_grads)
+
+
+def packed_batch(seqs, budget=256):
+    return PackedCollator(budget)([{"input_ids": s.tolist(), "labels": s.tolist()} for s in seqs])
+
+
+def alone_loss_and_grads(model, seqs, family):
+    """Stock model, each sequence alone; loss summed over sequences (num_items_in_batch=1)."""
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    with stock_torch_kernels(family):
+        for s in seqs:
+            out = model(input_ids=s[None], labels=s[None], num_items_in_batch=torch.tensor(1))
+            out.loss.backward()
+            total += float(out.loss.detach())
+    return total, grads(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_row_equals_each_sequence_alone(family):
+    model = model_for(family)
+    seqs = sequences(model.config.vocab_size)
+    with stock_torch_kernels(family):
+        alone_logits = torch.cat([model(input_ids=s[None]).logits[0].detach() for s in seqs])
+    alone_loss, alone_grads = alone_loss_and_grads(model, seqs, family)
+    patch_model(model)
+    batch = packed_batch(seqs)
+    n = sum(LENGTHS)
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
+    packed_logits = model(**no_labels).logits[0, :n].detach()
+    assert rel(packed_logits, alone_logits) <= TOL
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, num_items_in_batch=torch.tensor(1))
+    out.loss.backward()
+    assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
+    assert_grads_close(grads(model), alone_grads)
+
+
+def test_stock_model_leaks_across_packed_sequences():
+    """The failure the patch exists for: stock layers on a packed row with only position_ids."""
+    model = model_for("qwen3_5")
+    seqs = sequences(model.config.vocab_size)
+    packed = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with stock_torch_kernels("qwen3_5"):
+        alone = torch.cat([model(input_ids=s[None]).logits[0].detach() for s in seqs])
+        leaky = model(input_ids=packed, position_ids=pos).logits[0].detach()
+    later = slice(LENGTHS[0] + LENGTHS[1], None)
+    assert rel(leaky[later], alone[later]) > 1e-2
+
+
+def test_lora_wrapped_projections_train_identically():
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    seqs = sequences(model.config.vocab_size)
+    alone_loss, alone_grads = alone_loss_and_grads(model, seqs, "qwen3_5")
+    assert any("in_proj_qkv.lora_A" in k for k in alone_grads)
+    report = patch_model(model)
+    assert report.gated_deltanet_layers == 3
+    model.zero_grad(set_to_none=True)
+    out = model(**packed_batch(seqs), num_items_in_batch=torch.tensor(1))
+    out.loss.backward()
+    assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
+    assert_grads_close(grads(model), alone_grads)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = model_for("qwen3_5")
+    seqs = sequences(model.config.vocab_size)
+    patch_model(model)
+    batch = packed_batch(seqs)
+    _, plain = loss_and_grads(model, **batch)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, checkpointed = loss_and_grads(model, **batch)
+    assert_grads_close(checkpointed, plain)
+
+
+def test_unpatch_restores_the_stock_forward_exactly():
+    model = model_for("qwen3_next")
+    ids = sequences(model.config.vocab_size, [30])[0][None]
+    with stock_torch_kernels():
+        before = model(input_ids=ids).logits
+    patch_model(model)
+    assert any("forward" in m.__dict__ for m in model.modules())
+    unpatch_model(model)
+    assert not any("forward" in m.__dict__ or "_fastqwen" in m.__dict__ for m in model.modules())
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    with stock_torch_kernels():
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_saved_adapter_has_the_same_keys_and_shapes(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    config = LoraConfig(r=4, target_modules=["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj"])
+    saved = {}
+    for name, patched in (("stock", False), ("plugin", True)):
+        model = get_peft_model(model_for("qwen3_5"), config)
+        if patched:
+            patch_model(model)
+        model.save_pretrained(tmp_path / name)
+        saved[name] = {k: v.shape for k, v in load_file(tmp_path / name / "adapter_model.safetensors").items()}
+    assert saved["plugin"] == saved["stock"] and saved["stock"]
+
+
+def test_vision_language_model_text_path_is_patched_and_exact():
+    model = model_for("qwen3_5_vl")
+    seqs = sequences(model.config.text_config.vocab_size, [20, 31])
+    with stock_torch_kernels("qwen3_5"):
+        alone = torch.cat([model(input_ids=s[None]).logits[0].detach() for s in seqs])
+    report = patch_model(model)
+    assert report.gated_deltanet_layers == 3
+    batch = packed_batch(seqs, budget=64)
+    batch.pop("labels")
+    assert rel(model(**batch).logits[0, :51].detach(), alone) <= TOL
+
+
+def test_position_ids_that_contradict_the_boundaries_are_refused():
+    model = model_for("qwen3_5")
+    patch_model(model)
+    batch = packed_batch(sequences(model.config.vocab_size))
+    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]  # never restarts
+    with pytest.raises(BoundaryError, match="restart at 0"):
+        model(**batch)
+
+
+def test_attention_mask_with_zeros_on_a_packed_row_is_refused():
+    model = model_for("qwen3_5")
+    patch_model(model)
+    batch = packed_batch(sequences(model.config.vocab_size))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][0, -10:] = 0
+    with pytest.raises(BoundaryError, match="Drop attention_mask"):
+        model(**batch)
+
+
+def test_unknown_gated_deltanet_variant_is_refused():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    class CustomGatedDeltaNet(mq.Qwen3_5GatedDeltaNet):
+        pass
+
+    model = model_for("qwen3_5")
+    layer = model.model.layers[0]
+    layer.linear_attn.__class__ = CustomGatedDeltaNet
+    with pytest.raises(UnsupportedModelError, match="unknown Gated DeltaNet variant .*CustomGatedDeltaNet"):
+        patch_model(model)
+
+
+def test_model_without_gated_deltanet_is_refused():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="'qwen3'.*has no Gated DeltaNet layers"):
+        patch_model(model)
+
+
+def test_lora_on_the_conv_is_refused_with_the_fix():
+    from peft import LoraConfig, get_peft_model
+
+    base = model_for("qwen3_5")
+    rank = base.model.layers[0].linear_attn.conv_dim  # peft needs the rank divisible by the conv's groups
+    model = get_peft_model(base, LoraConfig(r=rank, target_modules=["conv1d", "out_proj"]))
+    with pytest.raises(ValueError, match="Remove `conv1d` from lora_target_modules"):
+        patch_model(model)
+
+
+def test_require_mode_on_cpu_names_every_op_that_would_fall_back():
+    model = model_for("qwen3_5")
+    with pytest.raises(KernelUnavailableError) as err:
+        patch_model(model, backend="require")
+    for op in ("gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention"):
+        assert op in str(err.value)
+    assert "fastqwen_kernels: auto" in str(err.value)

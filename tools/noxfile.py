@@ -1,0 +1,58 @@
+"""Upstream-compat matrix: the test suite against the stacks our users run.
+
+    nox -f tools/noxfile.py -l          # list the cells
+    nox -f tools/noxfile.py -s latest   # run one
+    nox -f tools/noxfile.py -t ci       # the cells CI runs (tools/test.sh calls this)
+
+Each cell is a fresh uv environment. The README's compatibility table records what each cell
+last gave.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent.parent
+REQ = ROOT / "tools" / "requirements"
+nox.options.default_venv_backend = "uv"
+nox.options.envdir = str(ROOT / ".nox")
+nox.options.reuse_existing_virtualenvs = True
+PYTHON = os.environ.get("FASTQWEN_PYTHON") or "3.12"
+ENV = {
+    "AXOLOTL_DO_NOT_TRACK": "1",
+    "WANDB_MODE": "disabled",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def _pytest(session: nox.Session, *default: str) -> None:
+    session.chdir(ROOT)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *(session.posargs or default), env=ENV)
+
+
+@nox.session(name="axolotl-0.21", python=PYTHON, tags=["ci"])
+def axolotl_021(session: nox.Session) -> None:
+    """Axolotl 0.21.0 with the stack it pins: transformers 5.20.1, peft 0.21.2, fla 0.5.2."""
+    session.install("-e", f"{ROOT}[dev]", "-c", str(REQ / "axolotl-0.21.txt"))
+    _pytest(session)
+
+
+@nox.session(name="latest", python=PYTHON, tags=["ci"])
+def latest(session: nox.Session) -> None:
+    """Axolotl 0.21.0 forced onto the newest transformers and fla 0.6.0 (what users upgrade to)."""
+    session.install("-e", f"{ROOT}[dev]", "-c", str(REQ / "axolotl-0.21.txt"), "--override", str(REQ / "latest.txt"))
+    # The Axolotl end-to-end runs are covered by the axolotl-0.21 cell; here the kernels and the
+    # packer meet the newest transformers.
+    _pytest(session, "-m", "not axolotl")
+
+
+@nox.session(name="transformers-5.17", python=PYTHON, tags=["gpu-image"])
+def transformers_517(session: nox.Session) -> None:
+    """The GPU machine's stack without Axolotl: transformers 5.17.0, peft 0.21.0, fla 0.6.0."""
+    session.install("-e", f"{ROOT}[dev]", "--override", str(REQ / "transformers-5.17.txt"))
+    _pytest(session, "-m", "not axolotl")
