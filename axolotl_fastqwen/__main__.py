@@ -9,11 +9,12 @@ COMMANDS = {
     "bench": ("axolotl_fastqwen.bench.run", "every training path side by side on one model and token stream"),
     "profile": ("axolotl_fastqwen.bench.profile", "torch.profiler trace of one path: top kernels, GPU idle gaps"),
     "doctor": ("axolotl_fastqwen.bench.doctor", "versions, kernel choices and known-bad combinations"),
+    "report": ("axolotl_fastqwen.report_cli", "print a finished Axolotl run's plugin report"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: axolotl-fastqwen {bench,profile,doctor} [options]   (--help after a command for its options)", ""]
+    lines = ["usage: axolotl-fastqwen {bench,profile,doctor,report} [options]   (--help after a command for its options)", ""]
     lines += [f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 

@@ -86,24 +86,29 @@ class PatchReport:
         }
 
     def format(self) -> str:
-        d = self.to_dict()
-        lines = [
-            f"axolotl_fastqwen: {d['family']} ({d['model_class']}) on {d['device']}, kernels={d['mode']}: "
-            f"{self.gated_deltanet_layers} Gated DeltaNet + {self.attention_layers} attention layers patched",
-            f"  {'op':<22} {'backend':<16} {'self-check / why others were not used'}",
-        ]
-        for op, info in d["ops"].items():
-            detail = info["selfcheck"] or ("not self-checked (CPU)" if d["device"] == "cpu" else "")
-            if info["rejected"]:
-                detail = (detail + "; " if detail else "") + "not: " + "; ".join(info["rejected"])
-            lines.append(f"  {op:<22} {info['backend']:<16} {detail}")
-        for note in d["notes"]:
-            lines.append(f"  note: {note}")
-        if d["boundary_sources"]:
-            lines.append(f"  boundaries from: {', '.join(d['boundary_sources'])}")
-        versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)
-        lines.append(f"  versions: {versions}")
-        return "\n".join(lines)
+        return format_report(self.to_dict())
+
+
+def format_report(d: dict) -> str:
+    """The load-time table, from `PatchReport.to_dict()` (also as read back from the JSON file)."""
+    lines = [
+        f"axolotl_fastqwen: {d['family']} ({d['model_class']}) on {d['device']}, kernels={d['mode']}: "
+        f"{d['layers_patched']['gated_deltanet']} Gated DeltaNet + {d['layers_patched']['attention']} attention "
+        "layers patched",
+        f"  {'op':<22} {'backend':<16} {'self-check / why others were not used'}",
+    ]
+    for op, info in d["ops"].items():
+        detail = info["selfcheck"] or ("not self-checked (CPU)" if d["device"] == "cpu" else "")
+        if info["rejected"]:
+            detail = (detail + "; " if detail else "") + "not: " + "; ".join(info["rejected"])
+        lines.append(f"  {op:<22} {info['backend']:<16} {detail}")
+    for note in d["notes"]:
+        lines.append(f"  note: {note}")
+    if d["boundary_sources"]:
+        lines.append(f"  boundaries from: {', '.join(d['boundary_sources'])}")
+    versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)
+    lines.append(f"  versions: {versions}")
+    return "\n".join(lines)
 
 
 def patch_model(

@@ -157,3 +157,45 @@ def test_every_layout_scores_the_same_targets():
     order = [i for b in w.bins for i in b]
     assert [i for s in w.steps("padded", 3, 2) for i in s] == order[:6]
     assert np.array_equal(w.tokens(order[0]), seqs[0])
+
+
+class _Event:
+    """Stands in for a profiler event in the GPU-timeline analysis (no GPU here to record real ones)."""
+
+    def __init__(self, name, kind, start_us, dur_us):
+        self._name, self._kind, self._start, self._dur = name, kind, start_us, dur_us
+
+    def name(self):
+        return self._name
+
+    def activity_type(self):
+        return self._kind
+
+    def device_type(self):
+        return "DeviceType.CUDA" if self._kind in ("kernel", "gpu_memcpy", "gpu_user_annotation") else "DeviceType.CPU"
+
+    def start_ns(self):
+        return int(self._start * 1000)
+
+    def duration_ns(self):
+        return int(self._dur * 1000)
+
+
+def test_gpu_gap_analysis_attributes_idle_time_to_the_running_cpu_op():
+    from axolotl_fastqwen.bench.profile import analyze
+
+    events = [
+        _Event("aten::mm", "cpu_op", 0, 40), _Event("cudaLaunchKernel", "cuda_runtime", 5, 3),
+        _Event("gemm", "kernel", 10, 100),
+        _Event("aten::item", "cpu_op", 105, 300),  # a host sync: the GPU idles 200 us after the gemm
+        _Event("cudaStreamSynchronize", "cuda_runtime", 110, 200),
+        _Event("gemm", "kernel", 310, 100), _Event("Memcpy HtoD", "gpu_memcpy", 420, 5),
+        _Event("step", "gpu_user_annotation", 0, 500), _Event("norm", "kernel", 420, 10),
+    ]
+    report = analyze(events, steps=1, gap_us=50, top=5)
+    assert report["kernels"] == 3 and report["launches_per_step"] == 3
+    assert report["top_kernels"][0] == {"name": "gemm", "calls": 2, "total_ms": 0.2, "avg_us": 100.0,
+                                        "share": pytest.approx(200 / 210, abs=1e-4)}
+    (gap,) = report["idle_gaps"]
+    assert gap["cpu_op"] == "aten::item" and gap["runtime_call"] == "cudaStreamSynchronize"
+    assert gap["total_ms"] == pytest.approx(0.2)

@@ -404,8 +404,8 @@ def test_checkpoints_reload_offline_with_identical_weights(assets):
     text = AutoModelForCausalLM.from_pretrained(paths[ta.VL_FAMILY], local_files_only=True)
     assert type(text).__name__ == "Qwen3_5ForCausalLM"
     for key, value in text.state_dict().items():
-        composite_key = key if key.startswith("lm_head") else key.replace("model.", "model.language_model.", 1)
-        assert torch.equal(value, fresh[composite_key]), key
+        in_composite = key if key.startswith("lm_head") else key.replace("model.", "model.language_model.", 1)
+        assert torch.equal(value, fresh[in_composite]), key
 
 
 def test_cli_writes_and_then_skips(tmp_path, capsys):

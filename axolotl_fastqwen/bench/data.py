@@ -189,7 +189,8 @@ def multipack_batch(seqs: list[np.ndarray], budget: int) -> tuple[dict, str]:
     ids[:total] = np.concatenate(seqs)
     labels[:total] = ids[:total]
     pos = np.concatenate([np.arange(len(s)) for s in seqs] + [np.arange(width - total)])
-    batch = {k: torch.from_numpy(v).view(1, -1) for k, v in (("input_ids", ids), ("labels", labels), ("position_ids", pos))}
+    columns = (("input_ids", ids), ("labels", labels), ("position_ids", pos))
+    batch = {k: torch.from_numpy(v).view(1, -1) for k, v in columns}
     return batch, "reproduced Axolotl multipack layout (its collator did not import)"
 
 

@@ -172,15 +172,20 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver, from nvidia-smi (torch does not expose it)."""
-    if not shutil.which("nvidia-smi"):
-        return None
+    """The NVIDIA driver, from nvidia-smi, else NVML (torch does not expose it)."""
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(Exception):
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            )
+            return out.stdout.strip().splitlines()[0]
     with contextlib.suppress(Exception):
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
-        )
-        return out.stdout.strip().splitlines()[0] or None
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
     return None
 
 
@@ -205,7 +210,7 @@ def peak_matmul_tflops(device: torch.device, n: int | None = None, iters: int = 
     del a, b
     return {
         "tflops": round(2 * n**3 / seconds / 1e12, 2),
-        "method": f"{str(dtype).replace('torch.', '')} matmul {n}^3, median of {iters} after 3 warm-up",
+        "method": f"{str(dtype).replace('torch.', '')} matmul {n}^3, mean of {iters} after 3 warm-up",
     }
 
 

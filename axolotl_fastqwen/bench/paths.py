@@ -95,8 +95,9 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             info["notes"].append("no fla / causal-conv1d resolved: this path runs the PyTorch fallback")
         if name == "stock-fla-flattening" and kernels.get("causal_conv1d_fn") != "causal_conv1d":
             info["notes"].append(
-                "causal_conv1d_fn is not causal-conv1d: the stock conv ignores seq_idx, so the 3 conv taps "
-                "read across packed-sequence boundaries (expect a small calibration-loss difference)"
+                "causal_conv1d_fn is not causal-conv1d: the stock torch conv cannot use seq_idx (transformers "
+                "5.17 lets its taps read across packed-sequence boundaries: expect a small calibration-loss "
+                "difference; 5.20+ raises instead)"
             )
         yield info
         return

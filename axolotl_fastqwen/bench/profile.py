@@ -20,7 +20,7 @@ import time
 import torch
 
 from . import data, measure
-from .paths import PATHS, installed
+from .paths import PATHS, PathSkipped, installed
 from .run import add_common_args, log, prepare, train_step
 
 GZIP_ABOVE_BYTES = 32 * 2**20
@@ -32,7 +32,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_common_args(p)
     p.set_defaults(steps=3)
     p.add_argument("--path", default="fastqwen", choices=list(PATHS), help="the path to profile")
-    p.add_argument("--out", default="fastqwen-profile", help="output folder (trace.json[.gz], profile.json)")
+    p.add_argument("--out", default="outputs/fastqwen-profile", help="output folder (trace.json[.gz], profile.json)")
     p.add_argument("--gap-us", type=float, default=50.0, help="GPU idle gaps longer than this are reported")
     p.add_argument("--top", type=int, default=20, help="rows of the kernel / gap tables")
     return p
@@ -140,13 +140,24 @@ def print_report(report: dict, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     setup = prepare(args, steps_per_path=args.warmup + args.steps)
-    device, model, spec = setup.device, setup.model, PATHS[args.path]
+    spec = PATHS[args.path]
     os.makedirs(args.out, exist_ok=True)
     setup.reset()
     optimizer = setup.optimizer()
+    try:
+        prof, wall, mbs = _profile_path(args, setup, spec, optimizer)
+    except PathSkipped as exc:
+        log(f"[{args.path}] skipped: {exc}")
+        return 1
+    log(f"[{args.path}] profiled {args.steps} steps in {wall:.2f} s; analysing ...")
+    return _report(args, setup, spec, prof, wall, mbs)
+
+
+def _profile_path(args, setup, spec, optimizer):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    device, model = setup.device, setup.model
     with installed(args.path, model, setup.family, device) as info:
         for note in info["notes"]:
             log(f"[{args.path}] note: {note}")
@@ -166,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                     train_step(model, optimizer, data.to_device(batches[args.warmup + j], device))
                 measure.sync(device)
         wall = time.perf_counter() - t
-    log(f"[{args.path}] profiled {args.steps} steps in {wall:.2f} s; analysing ...")
+    return prof, wall, mbs
+
+
+def _report(args, setup, spec, prof, wall: float, mbs: int) -> int:
+    device = setup.device
     events = measure.kineto_events(prof)
     report = analyze(events, args.steps, args.gap_us, args.top)
     report.update(path=args.path, steps=args.steps, wall_ms_per_step=round(wall / args.steps * 1000, 1),
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
     print_report(report, device)
-    log(f"\nwrote {trace} and {os.path.join(args.out, 'profile.json')} (open the trace in chrome://tracing or Perfetto)")
+    log(f"\nwrote {trace} and {os.path.join(args.out, 'profile.json')} (open the trace in Perfetto)")
     return 0
 
 

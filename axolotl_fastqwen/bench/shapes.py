@@ -8,7 +8,9 @@ CPU init, and the same values every time a path resets the model).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import inspect
 import math
 import time
@@ -165,11 +167,26 @@ def init_weights_(model: nn.Module, seed: int, std: float, only_trainable: bool 
 
 
 def _no_init():
+    """Skip every init pass at construction (init_weights_ fills the weights afterwards)."""
+    for module in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return getattr(importlib.import_module(module), "no_init_weights")()
+        except (ImportError, AttributeError):
+            continue
+    return _torch_init_off()
+
+
+@contextlib.contextmanager
+def _torch_init_off():
+    names = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_", "trunc_normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
     try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers 5.x
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 def build_model(config, family: str, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[nn.Module, float]:

@@ -38,8 +38,6 @@ FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 VL_FAMILY = "qwen3_5_vl"  # the composite vision-language model, written by write_assets
 VL_FAMILIES = {VL_FAMILY: "qwen3_5", "qwen3_5_moe_vl": "qwen3_5_moe"}  # -> text family
 
-# Bump when anything written by write_assets changes, so stale .assets/ folders are rebuilt.
-ASSETS_FORMAT = 1
 DEFAULT_SEED = 0
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +265,7 @@ def _perturb_weights_(model, generator) -> None:
         return torch.randn(p.shape, generator=generator, dtype=torch.float32) * std + mean
 
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             cls = type(module).__name__
             if cls.endswith("RMSNormGated"):  # x * w, w defaults to ones
                 module.weight.copy_(normal_like(module.weight, 1.0, 0.1))
@@ -312,7 +310,9 @@ def build_tiny_model(family: str, *, seed: int = DEFAULT_SEED, dtype=None, **ove
 def _modeling_module(family: str):
     package = _MODELING_PACKAGES.get(family)
     if package is None:
-        raise ValueError(f"unknown family/model_type {family!r}; expected one of {sorted(_MODELING_PACKAGES)}")
+        raise ValueError(
+            f"unknown family/model_type {family!r}; expected one of {sorted(_MODELING_PACKAGES)}"
+        )
     return importlib.import_module(f"transformers.models.{package}.modeling_{package}")
 
 
@@ -362,7 +362,8 @@ def stock_torch_kernels(family: str) -> Iterator[Any]:
     """Within the block, the modeling module of ``family`` (or model_type) uses its pure-torch
     GDN / causal-conv functions instead of fla / causal-conv1d, which crash on a CPU machine.
 
-    Yields the modeling module. Restores the previous globals on exit (nesting is fine).
+    Yields the modeling module. Restores the previous globals on exit (nesting is fine). The
+    swap is process-wide (module globals), so do not run it concurrently with other threads.
     """
     module = _modeling_module(family)
     saved = {name: getattr(module, name) for name in KERNEL_FUNCTION_NAMES}
@@ -377,8 +378,8 @@ def stock_torch_kernels(family: str) -> Iterator[Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Text generation: a short, fixed word list so the 512-token BPE learns most words as single
-# tokens; then text length in words tracks length in tokens (calibrated below).
+# Text generation from a short, fixed word list: the tiny BPE then spends a stable ~1.9 tokens
+# per word, so a length planned in words lands close to the intended length in tokens.
 # ---------------------------------------------------------------------------------------------
 WORDS = tuple(
     """
@@ -397,9 +398,8 @@ SYSTEM_PROMPTS = (
     "You are a careful tutor who explains each step.",
     "Answer the question using the notes.",
 )
-# Tokens of text per generated word (measured on the tiny tokenizer: single-token words plus
-# commas, full stops and the occasional capital or number). Used to turn token targets into
-# word counts.
+# Tokens of generated text per word, measured on the tiny tokenizer (words split into 1-3
+# pieces, plus punctuation, capitals and numbers). Turns token targets into word counts.
 TOKENS_PER_WORD = 1.9
 # Tokens a ChatML message adds around its content: <|im_start|> role \n ... <|im_end|> \n
 CHAT_MESSAGE_OVERHEAD = 5
@@ -442,8 +442,16 @@ def _tokenizer_training_corpus(seed: int) -> Iterator[str]:
 
 
 def _train_tokenizer_object(seed: int):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -626,9 +634,12 @@ ASSET_MODELS = FAMILIES + (VL_FAMILY,)  # the checkpoints write_assets writes by
 def expected_manifest(
     seed: int = DEFAULT_SEED, families: tuple[str, ...] = ASSET_MODELS
 ) -> dict[str, Any]:
-    """What ``MANIFEST.json`` must say for an existing asset folder to be reused."""
+    """What ``MANIFEST.json`` must say for an existing asset folder to be reused. The hash of
+    this file stands in for a format version: any change here rebuilds stale folders."""
+    import hashlib
+
     return {
-        "assets_format": ASSETS_FORMAT,
+        "generator_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         "seed": seed,
         "versions": _versions(),
         "families": list(families),
