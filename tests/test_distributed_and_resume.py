@@ -75,8 +75,8 @@ def test_two_ranks_train_disjoint_bins_that_cover_the_dataset(tmp_path):
     ddp = config(tmp_path, "ddp")
     single = config(tmp_path, "single")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(TESTS / "axolotl_cpu_ranks.py")]
+    train(single)  # first: it also prepares the dataset both runs share (ranks then only load it)
     run([*torchrun, str(ddp)])
-    train(single)
     ranks, alone = probe(tmp_path / "ddp"), probe(tmp_path / "single")
 
     seen = {r: [s for row in ranks if row["rank"] == r for s in row["seqs"]] for r in (0, 1)}

@@ -17,6 +17,7 @@ import torch
 
 from .. import patch_model, unpatch_model
 from ..stock import MODELING_MODULES, resolved_kernel, stock_torch_kernels
+from .axolotl_import import import_axolotl_patch
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def axolotl_patch(family: str) -> Iterator[str]:
         raise PathSkipped(f"Axolotl has no packing patch for {family}")
     module_name, fn_name = _AXOLOTL_PATCHES[family]
     try:
-        patch_module = importlib.import_module(module_name)
+        patch_module, stood_in = import_axolotl_patch(module_name)
         apply = getattr(patch_module, fn_name)
     except Exception as exc:  # a partial Axolotl install (GPU machine) is expected
         raise PathSkipped(f"import {module_name}.{fn_name} failed: {type(exc).__name__}: {str(exc)[:300]}") from None
@@ -149,7 +150,10 @@ def axolotl_patch(family: str) -> Iterator[str]:
     try:
         apply()
         changed = _changed(modeling, saved)
-        yield f"Axolotl {fn_name}() applied (class-level; changed {', '.join(changed) or 'nothing'}; restored after)"
+        note = f"Axolotl {fn_name}() applied (class-level; changed {', '.join(changed) or 'nothing'}; restored after)"
+        if stood_in:
+            note += "; bitsandbytes absent: import-only stand-ins during Axolotl's import (bench/axolotl_import.py)"
+        yield note
     finally:
         _restore(modeling, saved)
 
