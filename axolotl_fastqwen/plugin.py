@@ -20,7 +20,7 @@ from axolotl.integrations.base import BasePlugin, PluginManager
 from transformers import TrainerCallback
 
 from .args import token_budget
-from .families.base import UnsupportedModelError, unwrap
+from .families.base import UnsupportedModelError
 from .kernels import KernelUnavailableError
 from .patching import patch_model
 
@@ -105,7 +105,6 @@ class FastQwenPlugin(BasePlugin):
         )
         if delegated:
             self.report.fused_cross_entropy = f"delegated to Axolotl's {delegated[0]}"
-        _unset_cache(model)
 
     # ---- data ------------------------------------------------------------------------------
     def get_collator_cls_and_kwargs(self, cfg, is_eval=False):
@@ -146,16 +145,6 @@ def _training_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def _unset_cache(model) -> None:
-    # A cache object in a training forward makes the stock sdpa path ignore packed position_ids.
-    config = getattr(unwrap(model), "config", None)
-    if config is not None:
-        config.use_cache = False
-        text = getattr(config, "text_config", None)
-        if text is not None:
-            text.use_cache = False
 
 
 class _ReportOnTrainEnd(TrainerCallback):

@@ -11,7 +11,9 @@ reversibly. The plugin's own layers never go through these globals.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -28,19 +30,20 @@ MODELING_MODULES = {
     "qwen3_5_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
 }
+# model types and asset names that share a modeling module
+ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_vl": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
+           "qwen3_5_moe_vl": "qwen3_5_moe"}
 
 
-def torch_fallback(fn: Callable) -> Callable:
-    """The pure-PyTorch function behind a transformers kernel wrapper (or `fn` itself)."""
-    for _ in range(8):
-        if type(fn).__name__ == "Func":  # the `kernels` package's function-as-module wrapper
-            inner = _closure_function(type(fn).forward)
-        else:  # transformers' fallback wrapper is a functools.wraps of the torch function
-            inner = getattr(fn, "__wrapped__", None)
-        if inner is None:
-            break
-        fn = inner
-    return fn
+def modeling_module(family_or_module: str | ModuleType) -> ModuleType:
+    """The transformers modeling module of a family, model type or module path."""
+    if isinstance(family_or_module, ModuleType):
+        return family_or_module
+    name = ALIASES.get(family_or_module, family_or_module)
+    if name not in MODELING_MODULES and not name.startswith("transformers."):
+        raise ValueError(f"unknown family/model_type {family_or_module!r}; expected one of "
+                         f"{sorted(MODELING_MODULES) + sorted(ALIASES)}")
+    return importlib.import_module(MODELING_MODULES.get(name, name))
 
 
 def _closure_function(method: Callable) -> Callable | None:
@@ -50,40 +53,67 @@ def _closure_function(method: Callable) -> Callable | None:
     return None
 
 
-def modeling_module(family_or_module: str | ModuleType) -> ModuleType:
-    if isinstance(family_or_module, ModuleType):
-        return family_or_module
-    return importlib.import_module(MODELING_MODULES.get(family_or_module, family_or_module))
+def torch_fallback(fn: Callable, name: str | None = None) -> Callable:
+    """The pure-PyTorch function behind a transformers kernel wrapper.
+
+    transformers' wrapper keeps it as `__wrapped__`; the `kernels` package wraps that again in a
+    `Func` module whose `forward` closes over it. With `name`, the result must be the modeling
+    file's own `def name` (raises otherwise), so a changed wrapper layout cannot go unnoticed.
+    """
+    if type(fn).__name__ == "Func":
+        fn = _closure_function(type(fn).forward) or fn
+    fn = inspect.unwrap(fn)
+    if name is not None:
+        code = getattr(fn, "__code__", None)
+        if code is None or code.co_name != name:
+            raise RuntimeError(f"could not find the PyTorch fallback of {name} (got {fn!r})")
+    return fn
 
 
 def resolved_kernel(family: str, name: str) -> str:
     """Which implementation a stock global resolves to: 'torch' or the providing package."""
     fn = getattr(modeling_module(family), name)
-    inner = fn
     if type(fn).__name__ == "Func":
-        inner = _closure_function(type(fn).forward) or fn
-    chosen = inner
+        fn = _closure_function(type(fn).forward) or fn
     # transformers' fallback wrapper closes over the implementation it picked at import
-    for cell in getattr(inner, "__closure__", None) or ():
-        value = cell.cell_contents
-        if callable(value) and getattr(value, "__module__", "").split(".")[0] in ("fla", "causal_conv1d"):
-            chosen = value
-    package = getattr(chosen, "__module__", "") or ""
-    return package.split(".")[0] if package.split(".")[0] in ("fla", "causal_conv1d") else "torch"
+    for cell in getattr(fn, "__closure__", None) or ():
+        package = (getattr(cell.cell_contents, "__module__", "") or "").split(".")[0]
+        if callable(cell.cell_contents) and package in ("fla", "causal_conv1d"):
+            return package
+    return "torch"
+
+
+def _refusing_packed_arguments(name: str, function: Callable) -> Callable:
+    """The fallback, refusing `cu_seqlens` / `seq_idx` it cannot honour instead of leaking state
+    silently (transformers 5.17's fallback drops them; 5.20+ raises, as this does)."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        for key in ("cu_seqlens", "seq_idx"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"{name}: the PyTorch fallback cannot honour `{key}` (packed sequences)")
+        return function(*args, **kwargs)
+
+    return call
 
 
 @contextlib.contextmanager
-def stock_torch_kernels(*families: str) -> Iterator[None]:
-    """Make the stock layers of `families` (default: all) use transformers' PyTorch fallbacks."""
+def stock_torch_kernels(*families: str) -> Iterator[ModuleType | None]:
+    """Make the stock layers of `families` (default: all) use transformers' PyTorch fallbacks.
+
+    Yields the modeling module when one family is given. Restores the globals on exit (nesting is
+    fine). The swap is process-wide (module globals): not for concurrent threads.
+    """
+    modules = list(dict.fromkeys(modeling_module(f) for f in (families or tuple(MODELING_MODULES))))
     saved = []
     try:
-        for family in families or tuple(MODELING_MODULES):
-            module = modeling_module(family)
+        for module in modules:
             for name in KERNEL_GLOBALS:
                 if hasattr(module, name):
-                    saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, torch_fallback(getattr(module, name)))
-        yield
+                    current = getattr(module, name)
+                    saved.append((module, name, current))
+                    setattr(module, name, _refusing_packed_arguments(name, torch_fallback(current, name)))
+        yield modules[0] if len(modules) == 1 else None
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)

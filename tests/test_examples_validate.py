@@ -37,6 +37,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from axolotl_fastqwen.tools import tiny_assets as ta  # noqa: E402
 
+pytest.importorskip("axolotl")
+pytestmark = pytest.mark.axolotl
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = REPO / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yml"))

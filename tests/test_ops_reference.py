@@ -148,5 +148,6 @@ def test_stock_torch_kernels_context_switches_and_restores():
 
     before = mq.torch_chunk_gated_delta_rule
     with stock_torch_kernels("qwen3_5"):
-        assert mq.torch_chunk_gated_delta_rule is torch_fallback(before)
+        assert torch_fallback(mq.torch_chunk_gated_delta_rule) is torch_fallback(before, "torch_chunk_gated_delta_rule")
+        assert mq.torch_chunk_gated_delta_rule is not before
     assert mq.torch_chunk_gated_delta_rule is before

@@ -15,6 +15,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 
+from axolotl_fastqwen import stock  # noqa: E402
+from axolotl_fastqwen.stock import stock_torch_kernels  # noqa: E402
 from axolotl_fastqwen.tools import tiny_assets as ta  # noqa: E402
 
 ALL_MODELS = ta.FAMILIES + tuple(ta.VL_FAMILIES)
@@ -29,7 +31,7 @@ def family(request):
 def stock_kernels(family):
     """fla is installed here and transformers dispatches to it even on CPU, where it crashes:
     run the modeling module on its own torch fallbacks for the duration of the test."""
-    with ta.stock_torch_kernels(family) as module:
+    with stock_torch_kernels(family) as module:
         yield module
 
 
@@ -161,20 +163,20 @@ def test_vision_tower_feeds_the_language_model():
     model = ta.build_tiny_model(ta.VL_FAMILY)
     inputs = _image_inputs(torch.arange(10, 22)[None])
     blank = dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))
-    with ta.stock_torch_kernels(ta.VL_FAMILY), torch.no_grad():
+    with stock_torch_kernels(ta.VL_FAMILY), torch.no_grad():
         diff = (model(**inputs).logits - model(**blank).logits).abs().max()
     assert diff > 1e-2
 
 
 def test_stock_torch_kernels_swaps_and_restores():
-    module = ta._modeling_module("qwen3_5")
-    before = {name: getattr(module, name) for name in ta.KERNEL_FUNCTION_NAMES}
-    fallbacks = ta.torch_kernel_fallbacks("qwen3_5")
-    for name, fn in fallbacks.items():
+    module = stock.modeling_module("qwen3_5")
+    before = {name: getattr(module, name) for name in stock.KERNEL_GLOBALS}
+    for name, current in before.items():
+        fn = stock.torch_fallback(current, name)
         assert fn.__module__ == module.__name__ and fn.__name__ == name
-    with ta.stock_torch_kernels("qwen3_5_text") as patched:
+    with stock_torch_kernels("qwen3_5_text") as patched:
         assert patched is module
-        for name in ta.KERNEL_FUNCTION_NAMES:
+        for name in stock.KERNEL_GLOBALS:
             assert getattr(module, name) is not before[name]
         q = torch.randn(1, 8, 2, 16)
         g, beta = -torch.rand(1, 8, 2), torch.rand(1, 8, 2)
@@ -184,7 +186,7 @@ def test_stock_torch_kernels_swaps_and_restores():
             module.torch_chunk_gated_delta_rule(
                 q, q, q, g=g, beta=beta, cu_seqlens=torch.tensor([0, 4, 8])
             )
-    assert {name: getattr(module, name) for name in ta.KERNEL_FUNCTION_NAMES} == before
+    assert {name: getattr(module, name) for name in stock.KERNEL_GLOBALS} == before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,6 +255,7 @@ def test_axolotl_masks_exactly_the_assistant_turns(tokenizer, tmp_path):
     """Axolotl's chat_template strategy (tokenizer_default template, roles_to_train: [assistant],
     train_on_eos: turn) must label the same tokens the template's {% generation %} block marks:
     each assistant reply plus its <|im_end|>, nothing of system/user turns."""
+    pytest.importorskip("axolotl")
     from axolotl.loaders.tokenizer import load_tokenizer
     from axolotl.prompt_strategies.chat_template import load as load_chat_template
     from axolotl.utils.dict import DictDefault

@@ -7,7 +7,6 @@ through `seq_idx`, fla's Triton conv through `cu_seqlens`, the reference by mask
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 

@@ -11,8 +11,9 @@ the CPU demo needs is generated here, deterministically, from code:
 * ``write_dataset(path, n)``: chat or completion JSONL whose token lengths are lognormal (skewed,
   like real SFT data), so a packer has something to pack.
 * ``write_assets(out_dir)``: all of the above as ``base_model:``-ready folders plus a MANIFEST.
-* ``stock_torch_kernels(family)``: route a modeling module to its torch fallbacks (fla is
-  installed here and transformers picks it even on CPU, where it crashes).
+
+Stock (unpatched) forwards on CPU need ``axolotl_fastqwen.stock.stock_torch_kernels``: fla is
+installed here and transformers picks it even on CPU, where it crashes.
 
 CLI: ``python -m axolotl_fastqwen.tools.tiny_assets --out .assets [--force]``.
 """
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import importlib
 import json
 import math
 import os
@@ -128,25 +127,6 @@ _CAUSAL_LM_CLASS_NAMES = {
     VL_FAMILY: "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
 }
-# model_type (or family alias) -> transformers.models.<module>
-_MODELING_PACKAGES = {
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    VL_FAMILY: "qwen3_5",
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_vl": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-    "qwen3_next": "qwen3_next",
-}
-# Module globals wrapped by `use_kernel_func_from_hub_with_fallback` (fla / causal-conv1d).
-KERNEL_FUNCTION_NAMES = (
-    "torch_chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-
-
 def scaled_mrope_section(rotary_dim: int, real: tuple[int, ...] = REAL_MROPE_SECTION) -> list[int]:
     """Scale the real [11, 11, 10] section to ``rotary_dim // 2`` frequencies (largest remainder).
 
@@ -305,76 +285,6 @@ def build_tiny_model(family: str, *, seed: int = DEFAULT_SEED, dtype=None, **ove
     generator = torch.Generator().manual_seed(seed + 1)
     _perturb_weights_(model, generator)
     return model.to(dtype).eval()
-
-
-def _modeling_module(family: str):
-    package = _MODELING_PACKAGES.get(family)
-    if package is None:
-        raise ValueError(
-            f"unknown family/model_type {family!r}; expected one of {sorted(_MODELING_PACKAGES)}"
-        )
-    return importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-
-
-def _torch_fallback_of(name: str, current):
-    """The pure-torch function behind a kernel-dispatching module global.
-
-    transformers' wrapper keeps it as ``__wrapped__``; when the ``kernels`` package is installed
-    the wrapper is itself wrapped into a ``kernels`` ``Func`` module whose ``forward`` closes over
-    it. Both shapes are unwrapped; the result must be the modeling file's own ``def name``.
-    """
-    import inspect
-
-    import torch
-
-    fn = current
-    if isinstance(fn, torch.nn.Module):
-        fn = inspect.getclosurevars(type(fn).forward).nonlocals.get("func", fn)
-    fn = inspect.unwrap(fn)
-    code = getattr(fn, "__code__", None)
-    if code is None or code.co_name != name or not code.co_filename.endswith(".py"):
-        raise RuntimeError(f"could not find the torch fallback of {name} (got {current!r})")
-    return fn
-
-
-def torch_kernel_fallbacks(family: str) -> dict[str, Any]:
-    """The pure-torch GDN / conv functions of ``family``'s modeling module, by global name."""
-    module = _modeling_module(family)
-    return {name: _torch_fallback_of(name, getattr(module, name)) for name in KERNEL_FUNCTION_NAMES}
-
-
-def _torch_only(name: str, torch_function):
-    """The torch fallback, refusing packed-sequence arguments it cannot honour (as transformers'
-    own wrapper does when no kernel package is installed) instead of silently leaking state."""
-
-    @functools.wraps(torch_function)
-    def call(*args, **kwargs):
-        for key in ("cu_seqlens", "seq_idx"):
-            if kwargs.get(key) is not None:
-                raise ValueError(f"{name}: the torch fallback cannot honour `{key}` (packed sequences)")
-        return torch_function(*args, **kwargs)
-
-    return call
-
-
-@contextlib.contextmanager
-def stock_torch_kernels(family: str) -> Iterator[Any]:
-    """Within the block, the modeling module of ``family`` (or model_type) uses its pure-torch
-    GDN / causal-conv functions instead of fla / causal-conv1d, which crash on a CPU machine.
-
-    Yields the modeling module. Restores the previous globals on exit (nesting is fine). The
-    swap is process-wide (module globals), so do not run it concurrently with other threads.
-    """
-    module = _modeling_module(family)
-    saved = {name: getattr(module, name) for name in KERNEL_FUNCTION_NAMES}
-    fallbacks = {name: _torch_fallback_of(name, current) for name, current in saved.items()}
-    try:
-        for name, fallback in fallbacks.items():
-            setattr(module, name, _torch_only(name, fallback))
-        yield module
-    finally:
-        for name, current in saved.items():
-            setattr(module, name, current)
 
 
 # ---------------------------------------------------------------------------------------------
