@@ -229,7 +229,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-12))
 
 
-def _compare(fast: Callable, ref: Callable, inputs: list[torch.Tensor], dtype: torch.dtype) -> float:
+def compare(fast: Callable, ref: Callable, inputs: list[torch.Tensor], dtype: torch.dtype) -> float:
     """Max relative error of outputs and input gradients, `fast` at `dtype` vs `ref` in fp32.
 
     Runs with autograd on and autocast off whatever the caller's context (the first forward may
@@ -256,9 +256,11 @@ def _compare_outputs_and_grads(fast, ref, inputs, dtype) -> float:
     return max(errs)
 
 
-def _check_inputs(op: str, shapes: CheckShapes, device) -> tuple[list[torch.Tensor], dict]:
+def check_inputs(op: str, shapes: CheckShapes, device, tokens: int = 320) -> tuple[list[torch.Tensor], dict]:
+    """Random inputs of `op` at the model's head shapes for `tokens` packed tokens, plus the op's
+    keyword arguments (the self-check's, and the GPU tests')."""
     gen = torch.Generator(device=device).manual_seed(0)
-    T = 320
+    T = tokens
 
     def rnd(*size, scale=1.0):
         return torch.randn(*size, generator=gen, device=device) * scale
@@ -280,7 +282,8 @@ def _check_inputs(op: str, shapes: CheckShapes, device) -> tuple[list[torch.Tens
     raise KeyError(op)
 
 
-def _call(op: str, fn: Callable, boundaries: Boundaries, extra: dict) -> Callable:
+def bind(op: str, fn: Callable, boundaries: Boundaries, extra: dict) -> Callable:
+    """`fn` as a function of the tensors of `check_inputs` alone."""
     if op == "gated_delta_rule":
         return lambda q, k, v, a, b, A_log, dt: fn(q, k, v, a, b, A_log, dt, boundaries=boundaries)
     if op == "causal_conv":
@@ -327,12 +330,12 @@ def selfcheck(kernels: KernelSet, shapes: CheckShapes, backends=None) -> None:
 
 def _check_one(op, backend, reference, shapes, boundaries, tol, kernels) -> tuple[bool, str]:
     """(passed, summary) of `backend` against the fp32 reference at the model's shapes."""
-    inputs, extra = _check_inputs(op, shapes, kernels.device)
-    fast, ref = _call(op, backend.fn, boundaries, extra), _call(op, reference.fn, boundaries, extra)
+    inputs, extra = check_inputs(op, shapes, kernels.device)
+    fast, ref = bind(op, backend.fn, boundaries, extra), bind(op, reference.fn, boundaries, extra)
     lifted = False
     try:
         try:
-            err = _compare(fast, ref, inputs, shapes.dtype)
+            err = compare(fast, ref, inputs, shapes.dtype)
         except RuntimeError as exc:
             if backend.library == "fla" and "#640" in str(exc) and fla_hopper_guard_active():
                 # fla refuses its gated backward on Hopper + Triton 3.4-3.7.0 because one block
@@ -340,7 +343,7 @@ def _check_one(op, backend, reference, shapes, boundaries, tol, kernels) -> tupl
                 # running the kernel with the guard lifted and comparing with the reference.
                 set_fla_hopper_guard(False)
                 lifted = True
-                err = _compare(fast, ref, inputs, shapes.dtype)
+                err = compare(fast, ref, inputs, shapes.dtype)
             else:
                 raise
     except Exception as exc:  # a kernel that crashes is rejected, never trusted

@@ -16,7 +16,7 @@ import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.boundaries import Boundaries
-from axolotl_fastqwen.kernels import CheckShapes, _call, _compare
+from axolotl_fastqwen.kernels import CheckShapes, bind, check_inputs, compare
 from axolotl_fastqwen.registry import kernel_backends
 
 pytestmark = pytest.mark.gpu
@@ -30,26 +30,6 @@ MODEL_TOL = 5e-2
 LENGTHS = [700, 1, 333, 1014]  # 2048 tokens: a 1-token sequence, chunk-unaligned starts
 
 
-def _inputs(op, T, gen):
-    s = QWEN35_27B
-
-    def rnd(*size, scale=1.0):
-        return torch.randn(*size, generator=gen, device="cuda") * scale
-
-    if op == "gated_delta_rule":
-        return [rnd(1, T, s.key_heads, s.key_dim), rnd(1, T, s.key_heads, s.key_dim),
-                rnd(1, T, s.value_heads, s.value_dim), rnd(1, T, s.value_heads), rnd(1, T, s.value_heads),
-                rnd(s.value_heads, scale=0.5), rnd(s.value_heads, scale=0.5)], {}
-    if op == "causal_conv":
-        D = 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim
-        return [rnd(1, T, D), rnd(D, s.conv_width, scale=0.5)], {"activation": "silu"}
-    if op == "gated_rmsnorm":
-        return [rnd(1, T, s.value_heads, s.value_dim), rnd(1, T, s.value_heads, s.value_dim),
-                1 + rnd(s.value_dim, scale=0.1)], {"eps": 1e-6}
-    return [rnd(T, s.q_heads, s.head_dim), rnd(T, s.kv_heads, s.head_dim), rnd(T, s.kv_heads, s.head_dim)], {
-        "scale": s.head_dim**-0.5}
-
-
 GPU_BACKENDS = [(b.op, b.name) for b in kernel_backends() if not b.fallback and b.op != "linear_cross_entropy"]
 
 
@@ -61,15 +41,15 @@ def test_kernel_matches_fp32_reference_on_packed_input(op, name, gpu_record):
     reference = next(b for b in kernel_backends() if b.op == op and b.fallback)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
     boundaries = Boundaries.from_cu_seqlens(cu.cuda(), device=torch.device("cuda"), host=cu)
-    inputs, extra = _inputs(op, int(cu[-1]), torch.Generator(device="cuda").manual_seed(0))
+    inputs, extra = check_inputs(op, QWEN35_27B, "cuda", tokens=int(cu[-1]))
     from axolotl_fastqwen.kernels import fla_hopper_guard_active, set_fla_hopper_guard
 
     lifted = backend.library == "fla" and op == "gated_delta_rule" and fla_hopper_guard_active()
     if lifted:
         set_fla_hopper_guard(False)
     try:
-        err = _compare(_call(op, backend.fn, boundaries, extra), _call(op, reference.fn, boundaries, extra),
-                       inputs, torch.bfloat16)
+        err = compare(bind(op, backend.fn, boundaries, extra), bind(op, reference.fn, boundaries, extra),
+                      inputs, torch.bfloat16)
     finally:
         if lifted:
             set_fla_hopper_guard(True)
