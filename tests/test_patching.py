@@ -96,6 +96,13 @@ def alone_loss_and_grads(model, seqs, family):
     return total, grads(model)
 
 
+def assert_packed_training_matches(model, batch, alone_loss, alone_grads):
+    """The packed row's summed loss and its gradients equal the per-sequence ones."""
+    loss, packed_grads = loss_and_grads(model, **batch, num_items_in_batch=torch.tensor(1))
+    assert abs(float(loss) - alone_loss) <= TOL * alone_loss
+    assert_grads_close(packed_grads, alone_grads)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_row_equals_each_sequence_alone(family):
     model = model_for(family)
@@ -109,11 +116,7 @@ def test_packed_row_equals_each_sequence_alone(family):
     no_labels = {k: v for k, v in batch.items() if k != "labels"}
     packed_logits = model(**no_labels).logits[0, :n].detach()
     assert rel(packed_logits, alone_logits) <= TOL
-    model.zero_grad(set_to_none=True)
-    out = model(**batch, num_items_in_batch=torch.tensor(1))
-    out.loss.backward()
-    assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
-    assert_grads_close(grads(model), alone_grads)
+    assert_packed_training_matches(model, batch, alone_loss, alone_grads)
 
 
 def test_stock_model_leaks_across_packed_sequences():
@@ -139,11 +142,7 @@ def test_lora_wrapped_projections_train_identically():
     assert any("in_proj_qkv.lora_A" in k for k in alone_grads)
     report = patch_model(model)
     assert report.gated_deltanet_layers == 3
-    model.zero_grad(set_to_none=True)
-    out = model(**packed_batch(seqs), num_items_in_batch=torch.tensor(1))
-    out.loss.backward()
-    assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
-    assert_grads_close(grads(model), alone_grads)
+    assert_packed_training_matches(model, packed_batch(seqs), alone_loss, alone_grads)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
