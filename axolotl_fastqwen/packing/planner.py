@@ -2,7 +2,7 @@
 
 Packing is best-fit decreasing (BFD), run a run of equal lengths at a time so that the Python loop
 turns once per bin fill, not once per sample: 1e6 samples plan in about a second in pure Python +
-numpy (docs/packing.md). The bin *structure* depends only on the multiset of lengths, so the bin
+numpy (benchmarks/packing.md). The bin *structure* depends only on the multiset of lengths, so the bin
 count (and the sampler's `__len__`) is the same every epoch; which of several equal-length samples
 goes where, and the order of the bins, are reshuffled per `(seed, epoch)`.
 
