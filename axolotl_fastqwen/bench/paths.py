@@ -123,9 +123,8 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
 
 
 def _selfcheck_now(report, model) -> None:
-    """Run the plugin's GPU kernel self-check now, with autograd on. The decoder hook would run it at
-    the first forward, but that is the calibration forward under no_grad, where the check's
-    backward cannot run and every GPU kernel would be rejected."""
+    """Run the plugin's GPU kernel self-check now, before the path's calibration forward, so that
+    its kernel runs (and any autotuning they trigger) are not counted in the calibration time."""
     from ..families.base import unwrap
     from ..kernels import selfcheck
     from ..patching import _check_shapes
