@@ -23,7 +23,7 @@ from .ops import availability
 from .ops.causal_conv import causal_conv1d_cuda, fla_triton_causal_conv, reference_causal_conv
 from .ops.gated_delta_rule import fla_gated_delta_rule, reference_gated_delta_rule
 from .ops.gated_rmsnorm import fla_gated_rmsnorm, reference_gated_rmsnorm
-from .ops.linear_cross_entropy import linear_cross_entropy
+from .ops.linear_cross_entropy import IGNORE_INDEX, liger_linear_cross_entropy, linear_cross_entropy
 from .ops.varlen_attention import flash_attn_varlen, reference_varlen_attention, torch_varlen
 
 LOG = logging.getLogger("axolotl_fastqwen")
@@ -88,9 +88,23 @@ BUILTIN_BACKENDS = (
         _on_cuda_with(availability.has_torch_varlen, "needs torch>=2.10 with torch.nn.attention.varlen"),
     ),
     KernelBackend("varlen_attention", "torch", reference_varlen_attention, 0, _always, fallback=True),
-    # Chunked matmuls: cuBLAS does the work; this is the intended path on GPU and CPU alike.
+    KernelBackend(
+        "linear_cross_entropy", "liger", liger_linear_cross_entropy, 100,
+        _on_cuda_with(availability.has_liger, "pip install liger-kernel"), "liger_kernel",
+    ),
+    # Chunked matmuls: cuBLAS does the work; the CPU path, and a sound GPU one (not a "fallback").
     KernelBackend("linear_cross_entropy", "torch-chunked", linear_cross_entropy, 0, _always),
 )
+
+# The fp32 oracle each op's kernels are checked against: its PyTorch fallback, except where named
+# here (torch-chunked is exact in fp32 yet fast enough that `require` need not refuse it).
+REFERENCE_BACKENDS = {"linear_cross_entropy": "torch-chunked"}
+
+
+def reference_backend(backends, op: str) -> KernelBackend | None:
+    """The backend of `op` that the self-check and the GPU tests treat as ground truth."""
+    name = REFERENCE_BACKENDS.get(op)
+    return next((b for b in backends if b.op == op and (b.name == name if name else b.fallback)), None)
 
 
 @hookimpl
@@ -150,8 +164,9 @@ def select_kernels(
         if wanted and not any(b.name == wanted for b in candidates):
             raise ValueError(f"no backend {wanted!r} for {op}; known: {[b.name for b in candidates]}")
         rejected = []
+        reference = reference_backend(candidates, op)
         for backend in candidates:
-            if mode == "reference" and not backend.fallback and _has_fallback(candidates):
+            if mode == "reference" and reference is not None and backend is not reference:
                 rejected.append((backend.name, "fastqwen_kernels: reference"))
                 continue
             reason = backend.available(device)
@@ -164,10 +179,6 @@ def select_kernels(
     kernels = KernelSet(choices, device, mode)
     enforce_mode(kernels)
     return kernels
-
-
-def _has_fallback(candidates) -> bool:
-    return any(b.fallback for b in candidates)
 
 
 def enforce_mode(kernels: KernelSet) -> None:
@@ -200,6 +211,9 @@ def enforce_mode(kernels: KernelSet) -> None:
 # bf16 carries 8 mantissa bits (eps 7.8e-3); fla's GDN forward and backward land at ~5e-3 against
 # the fp32 reference (measured on an H200, head dim 128). A miscompiled kernel is off by O(1).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+# The loss is checked at a small hidden size and vocabulary (the real 248k-wide fp32 reference would
+# take GBs), wider than Liger's 32,768-column block so that its loop over blocks and masked tail run.
+CE_CHECK_HIDDEN, CE_CHECK_VOCAB = 256, 40_000
 
 
 @dataclass(frozen=True)
@@ -279,6 +293,11 @@ def check_inputs(op: str, shapes: CheckShapes, device, tokens: int = 320) -> tup
     if op == "varlen_attention":
         D = shapes.head_dim
         return [rnd(T, shapes.q_heads, D), rnd(T, shapes.kv_heads, D), rnd(T, shapes.kv_heads, D)], {"scale": D**-0.5}
+    if op == "linear_cross_entropy":
+        H, V = CE_CHECK_HIDDEN, CE_CHECK_VOCAB
+        targets = torch.randint(0, V, (T,), generator=gen, device=device)
+        targets[::5] = IGNORE_INDEX  # ignored tokens must get no loss and no gradient
+        return [rnd(T, H), rnd(V, H, scale=2 * H**-0.5), targets], {}  # logits ~ N(0, 4)
     raise KeyError(op)
 
 
@@ -292,6 +311,8 @@ def bind(op: str, fn: Callable, boundaries: Boundaries, extra: dict) -> Callable
         return lambda x, z, w: fn(x, z, w, **extra)
     if op == "varlen_attention":
         return lambda q, k, v: fn(q, k, v, boundaries=boundaries, **extra)
+    if op == "linear_cross_entropy":
+        return lambda hidden, weight, targets: fn(hidden, weight, targets, **extra)
     raise KeyError(op)
 
 
@@ -307,15 +328,18 @@ def selfcheck(kernels: KernelSet, shapes: CheckShapes, backends=None) -> None:
     boundaries = check_boundaries(device)
     tol = TOLERANCE.get(shapes.dtype, 2e-2)
     for op, choice in kernels.choices.items():
-        if choice.backend.fallback or op == "linear_cross_entropy":
+        reference = reference_backend(backends, op)
+        if choice.backend.fallback or (reference is not None and choice.backend.name == reference.name):
             continue
-        reference = next(b for b in backends if b.op == op and b.fallback)
+        if reference is None:
+            choice.selfcheck = "not self-checked: no reference backend registered"
+            continue
         candidates = [choice.backend] + sorted(
             (b for b in backends if b.op == op and b.priority < choice.backend.priority and b.available(device) is None),
             key=lambda b: -b.priority,
         )
         for backend in candidates:
-            if backend.fallback:
+            if backend.fallback or backend.name == reference.name:
                 kernels.choices[op] = KernelChoice(backend, choice.rejected, "reference (no kernel passed)")
                 break
             passed, message = _check_one(op, backend, reference, shapes, boundaries, tol, kernels)

@@ -57,7 +57,10 @@ class PatchReport:
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
-        names["linear_cross_entropy"] = self.fused_cross_entropy
+        # Not patched ("off (...)", "delegated to ..."): say so. Patched: the live choice, which the
+        # first-forward self-check may have demoted since patch time.
+        if self.fused_cross_entropy.startswith(("off", "delegated")):
+            names["linear_cross_entropy"] = self.fused_cross_entropy
         if not self.attention_layers:
             names.pop("varlen_attention", None)
         return names

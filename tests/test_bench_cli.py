@@ -8,6 +8,8 @@ record and survive.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -111,6 +113,40 @@ def test_axolotl_path_is_recorded(bench):
     assert r["status"] == "skipped" or r.get("error") or r["calibration_loss"] > 0
     if r["status"] != "skipped":
         assert any("patch_qwen3_5_modeling_packing" in n for n in r["notes"])
+
+
+def test_bench_runs_forwards_under_bf16_autocast_when_asked(tmp_path):
+    """`--autocast on` is the Trainer's `bf16: true` (auto turns it on for bf16 on CUDA): the
+    plugin path must train under it, and the record must say it ran so."""
+    rc = main(["bench", *TINY, "--paths", "e", "--dtype", "bf16", "--autocast", "on", "--steps", "1",
+               "--warmup", "0", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 0 and result["model"]["autocast"] is True and "under autocast" in (tmp_path / "bench.md").read_text()
+    r = _path(result, "fastqwen")
+    assert r["status"] == "ok" and all(np.isfinite(r["step_losses"]))
+    with pytest.raises(SystemExit, match="--autocast on needs --dtype bf16"):
+        main(["bench", *TINY, "--autocast", "on", "--dtype", "fp32", "--out", str(tmp_path)])
+
+
+def test_axolotl_patch_imports_without_its_trainer_callback_dependencies():
+    """The GPU machine has no evaluate/datasets/wandb/trl; path (d) must still import Axolotl's own
+    patch module (a fresh interpreter, those packages hidden), and leave no stand-in behind."""
+    pytest.importorskip("axolotl")
+    code = """
+import sys
+for name in ("evaluate", "datasets", "wandb", "trl", "bitsandbytes"):
+    sys.modules[name] = None  # import raises, find_spec says absent: what a missing package does
+from axolotl_fastqwen.bench.axolotl_import import import_axolotl_patch
+module, stood_in = import_axolotl_patch("axolotl.monkeypatch.models.qwen3_5.modeling")
+assert callable(module.patch_qwen3_5_modeling_packing)
+assert module.__file__.startswith(__import__("os").path.dirname(__import__("axolotl").__file__))
+assert any("axolotl.utils.callbacks" in s and "evaluate" in s for s in stood_in), stood_in
+assert any("bitsandbytes" in s for s in stood_in), stood_in
+assert "axolotl.utils.callbacks" not in sys.modules
+print("ok", stood_in)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
 def test_profile_writes_trace_and_counts(tmp_path, capsys):

@@ -16,7 +16,9 @@ import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.boundaries import Boundaries
-from axolotl_fastqwen.kernels import CheckShapes, bind, check_inputs, compare
+from axolotl_fastqwen.kernels import CheckShapes, bind, check_inputs, compare, reference_backend
+from axolotl_fastqwen.ops import availability
+from axolotl_fastqwen.ops.linear_cross_entropy import liger_linear_cross_entropy, linear_cross_entropy
 from axolotl_fastqwen.registry import kernel_backends
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +32,7 @@ MODEL_TOL = 5e-2
 LENGTHS = [700, 1, 333, 1014]  # 2048 tokens: a 1-token sequence, chunk-unaligned starts
 
 
-GPU_BACKENDS = [(b.op, b.name) for b in kernel_backends() if not b.fallback and b.op != "linear_cross_entropy"]
+GPU_BACKENDS = [(b.op, b.name) for b in kernel_backends() if b != reference_backend(kernel_backends(), b.op)]
 
 
 @pytest.mark.parametrize(("op", "name"), GPU_BACKENDS, ids=[f"{o}-{n}" for o, n in GPU_BACKENDS])
@@ -38,7 +40,7 @@ def test_kernel_matches_fp32_reference_on_packed_input(op, name, gpu_record):
     backend = next(b for b in kernel_backends() if b.op == op and b.name == name)
     if backend.available(torch.device("cuda")) is not None:
         pytest.skip(f"{op}/{name}: {backend.available(torch.device('cuda'))}")
-    reference = next(b for b in kernel_backends() if b.op == op and b.fallback)
+    reference = reference_backend(kernel_backends(), op)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
     boundaries = Boundaries.from_cu_seqlens(cu.cuda(), device=torch.device("cuda"), host=cu)
     inputs, extra = check_inputs(op, QWEN35_27B, "cuda", tokens=int(cu[-1]))
@@ -57,6 +59,39 @@ def test_kernel_matches_fp32_reference_on_packed_input(op, name, gpu_record):
                 "tokens": int(cu[-1]), "lengths": LENGTHS, "rel_err_max_fwd_bwd": err, "tolerance": OP_TOL,
                 "hopper_guard_lifted": lifted})
     assert err <= OP_TOL
+
+
+@pytest.mark.parametrize("num_items", [None, 900])
+def test_liger_cross_entropy_matches_fp32_reference_at_the_real_vocab(num_items, gpu_record):
+    """The loss at Qwen's 248,320-token vocabulary, 5120 hidden, bf16, lm_head frozen (LoRA).
+
+    2e-2 as for every op: Liger rounds each bf16 logit (~4e-3 relative) before its fp32 softmax, and
+    returns the hidden-state gradient in bf16; a wrong kernel is off by O(1)."""
+    if not availability.has_liger():
+        pytest.skip("liger-kernel is not installed")
+    T, H, V = 1024, 5120, 248320
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(1, T, H, generator=gen, device="cuda")
+    weight = torch.randn(V, H, generator=gen, device="cuda") * 2 * H**-0.5  # logits ~ N(0, 4)
+    targets = torch.randint(0, V, (1, T), generator=gen, device="cuda")
+    targets[0, ::7] = -100
+    n = torch.tensor(num_items, device="cuda") if num_items else None
+    results = {}
+    for name, fn, dtype in (("liger", liger_linear_cross_entropy, torch.bfloat16),
+                            ("fp32", linear_cross_entropy, torch.float32)):
+        h = hidden.to(dtype).requires_grad_()
+        loss = fn(h, weight.to(dtype), targets, num_items_in_batch=n)
+        loss.backward()
+        results[name] = (loss.detach(), h.grad.float())
+    (loss, grad), (ref_loss, ref_grad) = results["liger"], results["fp32"]
+    loss_err = float((loss - ref_loss).abs() / ref_loss.abs())
+    grad_err = _rel(grad, ref_grad)
+    gpu_record({"test": "liger_ce_vs_fp32_reference", "tokens": T, "hidden": H, "vocab": V,
+                "ignored": int((targets == -100).sum()), "num_items_in_batch": num_items,
+                "loss_fp32": float(ref_loss), "loss_bf16": float(loss), "loss_rel_err": loss_err, "hidden_grad_rel_err": grad_err, "tolerance": OP_TOL,
+                "liger_kernel": availability.version_of("liger_kernel")})
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert loss_err <= OP_TOL and grad_err <= OP_TOL
 
 
 def _model_27b_slice(layers=4):
@@ -162,6 +197,8 @@ def test_selfcheck_runs_on_first_forward_and_is_reported(gpu_record):
     d = report.to_dict()
     gpu_record({"test": "selfcheck_report", "report": d})
     assert d["selfchecked"]
-    for op in ("gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention"):
+    for op in ("gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention", "linear_cross_entropy"):
+        if op == "linear_cross_entropy" and not availability.has_liger():
+            continue  # torch-chunked, the reference itself: nothing to check
         info = d["ops"][op]
         assert info["fallback"] or (info["selfcheck"] and "rel. error" in info["selfcheck"]), (op, info)

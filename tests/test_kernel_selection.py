@@ -13,6 +13,7 @@ import torch
 
 from axolotl_fastqwen import kernels as K
 from axolotl_fastqwen.ops.gated_rmsnorm import reference_gated_rmsnorm
+from axolotl_fastqwen.ops.linear_cross_entropy import linear_cross_entropy
 from axolotl_fastqwen.registry import kernel_backends
 
 SHAPES = K.CheckShapes(key_heads=2, value_heads=4, key_dim=16, value_dim=16, conv_width=4, q_heads=4, kv_heads=2,
@@ -31,6 +32,10 @@ def crashes(x, z, weight, *, eps):
     raise RuntimeError("illegal memory access (simulated)")
 
 
+def loss_off_by_ten_percent(hidden, weight, targets, **kwargs):
+    return 1.1 * linear_cross_entropy(hidden, weight, targets, **kwargs)
+
+
 def backends_with(*extra):
     return [b for b in kernel_backends()] + list(extra)
 
@@ -40,6 +45,8 @@ def test_cpu_selection_is_the_reference_with_reasons():
     assert ks.names() == {"gated_delta_rule": "torch", "causal_conv": "torch", "gated_rmsnorm": "torch",
                           "varlen_attention": "torch", "linear_cross_entropy": "torch-chunked"}
     assert ("fla", "needs a CUDA device (model is on cpu)") in ks.choices["gated_delta_rule"].rejected
+    assert ks.choices["linear_cross_entropy"].rejected == [("liger", "needs a CUDA device (model is on cpu)")]
+    assert not ks.choices["linear_cross_entropy"].backend.fallback  # the intended CPU path: `require` accepts it
 
 
 def test_missing_kernel_on_a_gpu_is_reported_and_warned(caplog):
@@ -84,8 +91,45 @@ def test_selfcheck_keeps_a_correct_kernel_and_records_its_error():
     assert ks.choices["gated_rmsnorm"].selfcheck.startswith("fwd+bwd rel. error 0.0e+00")
 
 
+def test_selfcheck_demotes_a_wrong_cross_entropy_kernel_to_torch_chunked(caplog):
+    wrong = K.KernelBackend("linear_cross_entropy", "wrong-ce", loss_off_by_ten_percent, 200, _cpu, "liger_kernel")
+    backs = backends_with(wrong)
+    ks = K.select_kernels("cpu", "auto", backends=backs)
+    assert ks.names()["linear_cross_entropy"] == "wrong-ce"
+    ks.checked = False
+    with caplog.at_level(logging.WARNING, logger="axolotl_fastqwen"):
+        K.selfcheck(ks, SHAPES, backends=backs)
+    choice = ks.choices["linear_cross_entropy"]
+    assert choice.backend.name == "torch-chunked" and choice.selfcheck == "reference (no kernel passed)"
+    reasons = dict(choice.rejected)
+    assert reasons["wrong-ce"].startswith("self-check: rel. error") and "> 2e-03" in reasons["wrong-ce"]
+    assert "self-check rejected linear_cross_entropy/wrong-ce" in caplog.text
+
+
+def test_selfcheck_of_a_cross_entropy_kernel_compares_loss_and_both_gradients():
+    calls = []
+
+    def spy(hidden, weight, targets, **kwargs):
+        calls.append((hidden.requires_grad, weight.requires_grad, targets.requires_grad, targets.dtype))
+        return linear_cross_entropy(hidden, weight, targets, **kwargs)
+
+    good = K.KernelBackend("linear_cross_entropy", "good-ce", spy, 200, _cpu, "liger_kernel")
+    backs = backends_with(good)
+    ks = K.select_kernels("cpu", "auto", backends=backs)
+    ks.checked = False
+    K.selfcheck(ks, SHAPES, backends=backs)
+    assert ks.choices["linear_cross_entropy"].backend.name == "good-ce"
+    assert ks.choices["linear_cross_entropy"].selfcheck.startswith("fwd+bwd rel. error 0.0e+00")
+    assert calls == [(True, True, False, torch.int64)]
+
+
 def test_reference_mode_uses_pytorch_everywhere():
     assert set(K.select_kernels("cpu", "reference").names().values()) == {"torch", "torch-chunked"}
+    always = lambda device: None  # noqa: E731  (as on a GPU with every kernel installed)
+    backs = [K.KernelBackend(b.op, b.name, b.fn, b.priority, always, b.library, b.fallback) for b in kernel_backends()]
+    ks = K.select_kernels("cuda", "reference", backends=backs)
+    assert set(ks.names().values()) == {"torch", "torch-chunked"}
+    assert ("liger", "fastqwen_kernels: reference") in ks.choices["linear_cross_entropy"].rejected
 
 
 def test_prefer_picks_a_named_backend_and_rejects_unknown_names():

@@ -7,6 +7,9 @@ equality with the stock layers they replace.
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +18,12 @@ from axolotl_fastqwen.boundaries import Boundaries
 from axolotl_fastqwen.ops.causal_conv import reference_causal_conv
 from axolotl_fastqwen.ops.gated_delta_rule import naive_recurrence, reference_gated_delta_rule
 from axolotl_fastqwen.ops.gated_rmsnorm import reference_gated_rmsnorm
-from axolotl_fastqwen.ops.linear_cross_entropy import linear_cross_entropy, reference_cross_entropy, shift_labels
+from axolotl_fastqwen.ops.linear_cross_entropy import (
+    liger_linear_cross_entropy,
+    linear_cross_entropy,
+    reference_cross_entropy,
+    shift_labels,
+)
 from axolotl_fastqwen.ops.varlen_attention import reference_varlen_attention
 from axolotl_fastqwen.stock import stock_torch_kernels, torch_fallback
 
@@ -141,6 +149,52 @@ def test_linear_cross_entropy_of_a_batch_without_targets_is_zero_not_nan():
     loss = linear_cross_entropy(h, torch.randn(10, 4), torch.full((1, 8), -100))
     loss.backward()
     assert float(loss) == 0.0 and torch.count_nonzero(h.grad) == 0
+
+
+@pytest.fixture
+def liger_stand_in(monkeypatch):
+    """Liger's functional API with its sum-reduction semantics in PyTorch: its Triton kernel needs CUDA
+    (tests/test_gpu_kernels.py compares the real one); here what our wrapper adds is checked."""
+    calls = []
+
+    def fused(input, weight, target, *, ignore_index, reduction, accum_dtype):
+        calls.append((input.is_contiguous(), input.dim(), reduction, accum_dtype))
+        logits = (input @ weight.T).float()
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    module = types.ModuleType("liger_kernel.transformers.functional")
+    module.liger_fused_linear_cross_entropy = fused
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", module)
+    return calls
+
+
+@pytest.mark.parametrize("num_items", [None, 57])
+@pytest.mark.parametrize("grads", ["hidden", "hidden+weight", "weight"])
+def test_liger_wrapper_has_the_torch_contract(num_items, grads, liger_stand_in):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 32, 40, generator=g).transpose(1, 2).requires_grad_("hidden" in grads)  # not contiguous
+    w = torch.randn(300, 32, generator=g).requires_grad_("weight" in grads)
+    labels = torch.randint(0, 300, (2, 40), generator=g)
+    labels[0, :5] = -100
+    targets = shift_labels(labels)
+    n = torch.tensor(num_items) if num_items else None
+    leaves = [x for x in (h, w) if x.requires_grad]
+    ours = liger_linear_cross_entropy(h, w, targets, num_items_in_batch=n)
+    got = torch.autograd.grad(ours, leaves)
+    ref = reference_cross_entropy(h @ w.T, targets, n)
+    assert ours.dtype == torch.float32 and ours.dim() == 0
+    assert rel(ours.detach(), ref.detach()) < 1e-6
+    assert all(rel(a, b) < 1e-5 for a, b in zip(got, torch.autograd.grad(ref, leaves), strict=True))
+    # Liger drops lm_head's gradient when hidden needs none: that case must take the torch path
+    expected = [] if grads == "weight" else [(True, 2, "sum", torch.float32)]  # contiguous, flat, summed, fp32 dW
+    assert liger_stand_in == expected
+
+
+def test_liger_wrapper_of_a_batch_without_targets_is_zero_not_nan(liger_stand_in):
+    h = torch.randn(1, 8, 4, requires_grad=True)
+    loss = liger_linear_cross_entropy(h, torch.randn(10, 4), torch.full((1, 8), -100))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.count_nonzero(h.grad) == 0
 
 
 def test_stock_torch_kernels_context_switches_and_restores():

@@ -151,7 +151,7 @@ def axolotl_patch(family: str) -> Iterator[str]:
         changed = _changed(modeling, saved)
         note = f"Axolotl {fn_name}() applied (class-level; changed {', '.join(changed) or 'nothing'}; restored after)"
         if stood_in:
-            note += "; bitsandbytes absent: import-only stand-ins during Axolotl's import (bench/axolotl_import.py)"
+            note += f"; stood in during Axolotl's import (bench/axolotl_import.py): {'; '.join(stood_in)}"
         yield note
     finally:
         _restore(modeling, saved)

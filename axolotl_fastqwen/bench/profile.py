@@ -166,7 +166,7 @@ def _profile_path(args, setup, spec, optimizer):
         batches = [data.collate(spec.layout, [setup.workload.tokens(i) for i in ids], args.budget) for ids in steps]
         for i in range(args.warmup):
             t = time.perf_counter()
-            loss = float(train_step(model, optimizer, data.to_device(batches[i], device)))
+            loss = float(train_step(model, optimizer, data.to_device(batches[i], device), setup.amp))
             log(f"[{args.path}] warm-up {i + 1}/{args.warmup}: {time.perf_counter() - t:.2f} s, loss {loss:.4f}")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         measure.sync(device)
@@ -174,7 +174,7 @@ def _profile_path(args, setup, spec, optimizer):
         with profile(activities=activities) as prof:
             for j in range(args.steps):
                 with record_function(f"fastqwen_bench_step_{j}"):
-                    train_step(model, optimizer, data.to_device(batches[args.warmup + j], device))
+                    train_step(model, optimizer, data.to_device(batches[args.warmup + j], device), setup.amp)
                 measure.sync(device)
         wall = time.perf_counter() - t
     return prof, wall, mbs

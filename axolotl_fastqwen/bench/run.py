@@ -10,6 +10,7 @@ run continues; bench.json is rewritten after every path, so a killed run still l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -61,6 +62,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--median-length", type=float, default=500.0, help="median sequence length of the stream")
+    p.add_argument(
+        "--autocast", default="auto", choices=("auto", "on", "off"),
+        help="run forwards under torch.autocast(bf16), as HF Trainer / Accelerate do for `bf16: true` "
+        "(auto: on for a bf16 model on CUDA). Off runs peft's fp32 LoRA adapters as fp32 GEMMs",
+    )
     p.add_argument("--keep-fla-guard", action="store_true",
                    help="do not lift fla's Hopper guard (fla#640) even when its GDN passes the self-check")
 
@@ -96,7 +102,15 @@ class Setup:
     matmul: dict
     lora_params: int
     peak: dict
+    autocast: bool = False
     info: dict = field(default_factory=dict)
+
+    def amp(self):
+        """The forward's precision context: Accelerate wraps `model.forward` in autocast when the
+        Trainer runs with `bf16: true` (and leaves backward outside it); so do we."""
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def reset(self) -> None:
         """Trainable weights back to their seeded start (LoRA: A random, B = 0; full: all weights)."""
@@ -122,6 +136,7 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
 def prepare(args, steps_per_path: int) -> Setup:
     """Peak matmul, model build (+ LoRA, gradient checkpointing), token stream."""
     device, dtype = resolve_device(args)
+    autocast = use_autocast(args, device, dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     TRITON.install()
@@ -179,9 +194,18 @@ def prepare(args, steps_per_path: int) -> Setup:
         "gradient_checkpointing": bool(args.gc),
         "attn_implementation": config._attn_implementation,
         "fla_hopper_guard": guard,
+        "autocast": autocast,
     }
     return Setup(args, device, dtype, shape.family, config, model, trainable, workload, mbs, matmul, lora_params,
-                 peak, info)
+                 peak, autocast, info)
+
+
+def use_autocast(args, device: torch.device, dtype: torch.dtype) -> bool:
+    if args.autocast == "auto":
+        return device.type == "cuda" and dtype == torch.bfloat16
+    if args.autocast == "on" and dtype != torch.bfloat16:
+        raise SystemExit("--autocast on needs --dtype bf16 (autocast runs the forward in the model's dtype)")
+    return args.autocast == "on"
 
 
 def check_shapes(config, dtype: torch.dtype):
@@ -234,8 +258,9 @@ def measure_triton_version() -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, batch: dict) -> torch.Tensor:
-    loss = model(**batch).loss
+def train_step(model, optimizer, batch: dict, amp=contextlib.nullcontext) -> torch.Tensor:
+    with amp():
+        loss = model(**batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -243,12 +268,13 @@ def train_step(model, optimizer, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def calibration_loss(model, batches: list[dict], device: torch.device) -> float:
+def calibration_loss(model, batches: list[dict], device: torch.device, amp=contextlib.nullcontext) -> float:
     """Mean per-token loss over all batches (each normalised by the total target count)."""
     n = sum(data.targets(b) for b in batches)
     total = 0.0
     for b in batches:
-        total += float(model(**data.to_device(b, device), num_items_in_batch=n).loss)
+        with amp():
+            total += float(model(**data.to_device(b, device), num_items_in_batch=n).loss)
     return total
 
 
@@ -282,14 +308,17 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
             record["collator"] = data.multipack_batch([first], args.budget)[1]
         record["micro_batch_size"] = mbs if spec.layout == "padded" else None
         t = time.perf_counter()
-        record["calibration_loss"] = calibration_loss(model, calib, device)
+        record["calibration_loss"] = calibration_loss(model, calib, device, setup.amp)
         record["calibration_targets"] = sum(data.targets(b) for b in calib)
         record["calibration_seconds"] = round(time.perf_counter() - t, 2)
         log(f"[{name}] calibration loss {record['calibration_loss']:.6f} over {record['calibration_targets']} "
             f"targets ({record['calibration_seconds']} s)")
+        def step(k: int) -> torch.Tensor:
+            return train_step(model, optimizer, data.to_device(batches[k], device), setup.amp)
+
         losses, warm = [], []
         for i in range(args.warmup):
-            seconds, loss = _timed(lambda i=i: train_step(model, optimizer, data.to_device(batches[i], device)), device)
+            seconds, loss = _timed(lambda i=i: step(i), device)
             warm.append(seconds)
             losses.append(loss)
             log(f"[{name}] warm-up {i + 1}/{args.warmup}: {seconds:.2f} s, loss {loss:.4f}")
@@ -298,7 +327,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
                 break
         counters1 = (TRITON.snapshot(), measure.dynamo_snapshot())
         w = len(warm)
-        prof = measure.count_launches(lambda: train_step(model, optimizer, data.to_device(batches[w], device)), device)
+        prof = measure.count_launches(lambda: step(w), device)
         losses.append(float(prof["result"]))
         record["launches"] = prof["launches"]
         if prof["launches"]["unit"] == "cuda_kernels" and not prof["launches"]["count"]:
@@ -308,7 +337,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         times, tokens, flops_model, flops_hw, slots = [], [], 0.0, 0.0, []
         for j in range(args.steps):
             k = w + 1 + j
-            seconds, loss = _timed(lambda k=k: train_step(model, optimizer, data.to_device(batches[k], device)), device)
+            seconds, loss = _timed(lambda k=k: step(k), device)
             times.append(seconds)
             losses.append(loss)
             tokens.append(sum(lengths[k]))
@@ -439,6 +468,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# axolotl_fastqwen bench: {m['shape']} x{m['layers']} layers, {m['finetune']}"
         f"{' + gradient checkpointing' if m['gradient_checkpointing'] else ''}, {m['dtype']}"
+        f"{' under autocast' if m.get('autocast') else ''}"
         f"{' (PARTIAL: run in progress or killed)' if result.get('partial') else ''}",
         "",
         f"{result['versions'].get('gpu') or result['device']}; torch {result['versions'].get('torch')}, "

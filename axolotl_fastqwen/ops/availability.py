@@ -18,6 +18,7 @@ DISTRIBUTIONS = {
     "causal_conv1d": "causal-conv1d",
     "flash_attn": "flash-attn",
     "triton": "triton",
+    "liger_kernel": "liger-kernel",
 }
 
 
@@ -54,6 +55,11 @@ def has_flash_attn() -> bool:
     return version_of("flash_attn") is not None
 
 
+def has_liger() -> bool:
+    """Liger-Kernel's fused linear cross-entropy (Triton; imports on CPU too, runs on CUDA only)."""
+    return version_of("liger_kernel") is not None
+
+
 def has_torch_varlen() -> bool:
     """PyTorch's own varlen attention (torch>=2.10, CUDA only)."""
     try:
@@ -72,7 +78,7 @@ def versions() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
     }
-    for package in ("triton", "fla", "causal_conv1d", "flash_attn", "peft", "axolotl"):
+    for package in ("triton", "fla", "causal_conv1d", "flash_attn", "liger_kernel", "peft", "axolotl"):
         out[package] = version_of(package)
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()

@@ -9,6 +9,8 @@ if ls .whl/causal_conv1d-*.whl.part* >/dev/null 2>&1; then      # a wheel carrie
 fi
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -f .gpu-cache/triton-cache.tgz ]; then tar xzf .gpu-cache/triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
+if ls .gpu-cache/triton-cache.tgz.part* >/dev/null 2>&1; then          # a cache carried in parts
+  cat .gpu-cache/triton-cache.tgz.part* | tar xzf - -C "$TRITON_CACHE_DIR"
+elif [ -f .gpu-cache/triton-cache.tgz ]; then tar xzf .gpu-cache/triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 set +e
