@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import registry
+from .adapters import LoraInputCast
 from .boundaries import BOUNDARIES_KWARG, HOST_CU_SEQLENS_KWARG, Boundaries, BoundaryError
 from .families.base import Family, detect_family, unwrap
 from .kernels import CheckShapes, KernelSet, select_kernels, selfcheck
@@ -164,15 +165,16 @@ def patch_model(
         kernels=kernels,
         versions=availability.versions(),
     )
+    lora_cast = LoraInputCast(base)
     for module in base.modules():
         if type(module) in family.classes(family.decoder_models):
-            hooks.append(module.register_forward_pre_hook(_BoundaryHook(report, base), with_kwargs=True))
+            hooks.append(module.register_forward_pre_hook(_BoundaryHook(report, base, lora_cast), with_kwargs=True))
     if not hooks:
         raise RuntimeError(f"{type(base).__name__}: no decoder model of {family.decoder_models} found to hook")
 
     if fused_cross_entropy:
         report.fused_cross_entropy = _patch_causal_lm(base, family, kernels, patched)
-    base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report}
+    base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast}
     LOG.info("%s", report.format())
     return report
 
@@ -185,6 +187,7 @@ def unpatch_model(model: nn.Module) -> None:
         return
     for handle in state["hooks"]:
         handle.remove()
+    state["lora_cast"].restore()
     for module in state["modules"]:
         _uninstall(module)
 
@@ -267,11 +270,13 @@ class _BoundaryHook:
     mask): boundaries go to every layer as one object, the 4-D masks are skipped (varlen kernels
     need none), and the cache is off while training. On the first GPU forward the kernels are
     self-checked at this model's shapes. Padded or generation batches pass through unchanged.
+    Every forward also sets whether peft's LoRA layers upcast their input (`adapters.py`).
     """
 
-    def __init__(self, report: PatchReport, base: nn.Module):
+    def __init__(self, report: PatchReport, base: nn.Module, lora_cast: LoraInputCast):
         self.report = report
         self.base = base
+        self.lora_cast = lora_cast
         self.validated = False
 
     def __call__(self, module, args, kwargs):
@@ -279,6 +284,10 @@ class _BoundaryHook:
         if not kernels.checked:
             selfcheck(kernels, _check_shapes(self.base))
             LOG.info("%s", self.report.format())
+        first = self.lora_cast.layers is None
+        self.lora_cast.update(kernels.device.type)
+        if first and self.lora_cast.describe():
+            kernels.notes.append(self.lora_cast.describe())
         host = kwargs.pop(HOST_CU_SEQLENS_KWARG, None)
         shape = _input_shape(args, kwargs)
         if shape is not None and len(self.report.batch_shapes["train" if module.training else "eval"]) < 64:

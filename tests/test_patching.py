@@ -171,6 +171,44 @@ def test_bf16_autocast_training_is_as_accurate_as_stock():
     assert rel(flat(ours), flat(truth)) <= 2 * rel(flat(stock), flat(truth))
 
 
+def test_lora_input_upcast_is_skipped_only_under_autocast_and_changes_no_bit(monkeypatch):
+    """bf16 model, peft's default fp32 adapters: under autocast the LoRA layers skip their fp32
+    input copy (autocast recasts to bf16 anyway), giving bitwise the same loss and gradients; without
+    autocast they keep it (fp32 weights need it); unpatching leaves peft's setting as it was."""
+    from peft import LoraConfig, get_peft_model
+
+    from axolotl_fastqwen import adapters
+
+    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model_for("qwen3_5").to(torch.bfloat16),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    layers = adapters.plain_lora_layers(model)
+    assert len(layers) == 25 and {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    seen = []
+    layers[1].register_forward_pre_hook(lambda m, a: seen.append(m.cast_input_dtype_enabled))
+    batch = packed_batch(sequences(model.config.vocab_size))
+
+    def step(autocast: bool):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), grads(model)
+
+    report = patch_model(model)
+    fast_loss, fast_grads = step(autocast=True)
+    assert seen[-1] is False and any("25 peft LoRA layers" in n for n in report.to_dict()["notes"])
+    step(autocast=False)
+    assert seen[-1] is True
+    monkeypatch.setattr(adapters.LoraInputCast, "update", lambda self, device_type: None)  # peft as it is
+    slow_loss, slow_grads = step(autocast=True)
+    assert seen[-1] is True
+    assert torch.equal(fast_loss, slow_loss)
+    assert all(torch.equal(fast_grads[k], slow_grads[k]) for k in slow_grads)
+    unpatch_model(model)
+    assert all(m.cast_input_dtype_enabled is True for m in layers)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     model = model_for("qwen3_5")
     seqs = sequences(model.config.vocab_size)
