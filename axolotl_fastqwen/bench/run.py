@@ -313,7 +313,8 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         record["calibration_seconds"] = round(time.perf_counter() - t, 2)
         log(f"[{name}] calibration loss {record['calibration_loss']:.6f} over {record['calibration_targets']} "
             f"targets ({record['calibration_seconds']} s)")
-        def step(k: int) -> torch.Tensor:
+
+        def step(k: int, optimizer=optimizer) -> torch.Tensor:
             return train_step(model, optimizer, data.to_device(batches[k], device), setup.amp)
 
         losses, warm = [], []
