@@ -36,6 +36,7 @@ class LoraInputCast:
         self.layers: list[nn.Module] | None = None  # found at the first forward: adapters may come later
         self.original: dict[nn.Module, bool] = {}
         self.skipping: bool | None = None
+        self.skipped = False  # did any forward run with the cast skipped (i.e. under autocast)?
 
     def update(self, device_type: str) -> None:
         if self.layers is None:
@@ -46,6 +47,7 @@ class LoraInputCast:
             for m in self.layers:
                 m.cast_input_dtype_enabled = False if skip else self.original[m]
             self.skipping = skip
+        self.skipped |= skip
 
     def restore(self) -> None:
         for m, value in self.original.items():
@@ -53,7 +55,8 @@ class LoraInputCast:
         self.skipping = None
 
     def describe(self) -> str | None:
-        if not self.layers:
+        """What happened, for the report: only once a forward under autocast has skipped the cast."""
+        if not self.layers or not self.skipped:
             return None
         return (f"{len(self.layers)} peft LoRA layers skip their fp32 input upcast under autocast "
                 "(autocast recasts to bf16 before the matmul: same bits, two copies fewer each way)")

@@ -4,6 +4,13 @@ A packed row holds several sequences back to back. The recurrence (fla `cu_seqle
 conv (causal-conv1d `seq_idx`) and varlen attention (`cu_seqlens` + `max_seqlen`) each need the
 boundaries in their own form. Stock transformers derives them inside every layer, with a host sync
 each time; here they are resolved once, before the first layer, and passed down as one object.
+
+`resolve(...)` reads them from whatever layout the batch has: our collator's `cu_seq_lens_q` (plus
+its host copy), Axolotl's multipack rows (an `attention_mask` of per-sequence ids 1, 2, 3, ... and
+0 for padding, with restarting `position_ids`), or bare `position_ids` that restart. A batch that
+is not packed (padding marked by a 0/1 mask, positions that never restart inside a sequence)
+resolves to None and runs as stock does. A layout that contradicts itself raises `BoundaryError`:
+never a silent leak between sequences.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch
 
 BOUNDARIES_KWARG = "fastqwen_boundaries"
 HOST_CU_SEQLENS_KWARG = "fastqwen_cu_seqlens_host"
+PADDING_SEGMENTS_KWARG = "fastqwen_padding_segments"  # a collator row's segments that hold no data (host tuple)
 
 
 class BoundaryError(ValueError):
@@ -30,6 +38,8 @@ class Boundaries:
     seq_idx: int32 `[1, total]` on the device, the sequence index of every token (causal-conv1d).
     max_seqlen: length of the longest sequence (varlen attention).
     source: where the boundaries came from, for the report ("collator", "position_ids", ...).
+    padding_segments: indices of the segments that are padding, not data (the router's auxiliary
+        loss of MoE models counts real tokens only).
     """
 
     cu_seqlens: torch.Tensor
@@ -37,6 +47,7 @@ class Boundaries:
     seq_idx: torch.Tensor
     max_seqlen: int
     source: str
+    padding_segments: tuple[int, ...] = ()
     _position_in_sequence: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -57,6 +68,15 @@ class Boundaries:
             self._position_in_sequence = torch.arange(self.total, device=starts.device) - starts
         return self._position_in_sequence
 
+    def real_token_mask(self) -> torch.Tensor | None:
+        """1 for data tokens, 0 for padding, long `[1, total]` on the device; None without padding."""
+        if not self.padding_segments:
+            return None
+        keep = torch.ones(self.num_sequences, dtype=torch.long)
+        keep[list(self.padding_segments)] = 0
+        per_token = torch.repeat_interleave(keep, self.cu_seqlens_host.diff())
+        return per_token.view(1, -1).to(self.seq_idx.device, non_blocking=True)
+
     @classmethod
     def from_cu_seqlens(
         cls,
@@ -67,6 +87,7 @@ class Boundaries:
         seq_idx: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         source: str = "collator",
+        padding_segments: tuple[int, ...] = (),
     ) -> Boundaries:
         """Boundaries from a collator's `cu_seq_lens_q` (plus, when it has them, their host copy and
         `seq_idx`). Without a host copy, one device-to-host copy is made here, once per forward."""
@@ -86,25 +107,24 @@ class Boundaries:
             seq_idx = seq_idx_host.view(1, -1).to(device, non_blocking=True)
         else:
             seq_idx = seq_idx.to(device=device, dtype=torch.int32, non_blocking=True).reshape(1, -1)
-        return cls(cu_dev, host_t, seq_idx, int(max_seqlen), source)
+        return cls(cu_dev, host_t, seq_idx, int(max_seqlen), source, tuple(padding_segments))
+
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor, total: int, *, device: torch.device, source: str,
+                    padding_segments: tuple[int, ...] = ()) -> Boundaries:
+        """Boundaries from the host indices where sequences start (0 included)."""
+        host = torch.cat([starts.to("cpu", torch.int64), torch.tensor([total])])
+        return cls.from_cu_seqlens(host.to(device), device=device, host=host, source=source,
+                                   padding_segments=padding_segments)
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor, *, device: torch.device) -> Boundaries:
-        """Boundaries of packed rows whose `position_ids` restart at 0 for each sequence.
-
-        Every row start is a boundary too, so a `[B, T]` batch of packed rows flattens into one
-        `[1, B*T]` stream. Costs one device-to-host copy, once per forward.
-        """
-        flat = position_ids.reshape(position_ids.shape[-2] if position_ids.dim() > 1 else 1, -1)
-        rows, width = flat.shape
-        starts = flat == 0
-        starts[:, 0] = True
-        host = torch.nonzero(starts.reshape(-1)).reshape(-1).to("cpu", torch.int64)
-        host = torch.cat([host, torch.tensor([rows * width])])
-        boundaries = cls.from_cu_seqlens(
-            host.to(device=device), device=device, host=host, source="position_ids (1 sync per forward)"
-        )
-        return boundaries
+        """Boundaries of packed rows: a sequence starts at every row start and wherever a position
+        does not follow its predecessor by one. Costs one device-to-host copy."""
+        flat = _rows(position_ids).to("cpu")
+        starts = _row_starts(flat) | _restarts(flat)
+        return cls.from_starts(torch.nonzero(starts.reshape(-1)).reshape(-1), flat.numel(), device=device,
+                               source="position_ids (1 sync per forward)")
 
     def check_position_ids(self, position_ids: torch.Tensor) -> None:
         """Raise if `position_ids` do not restart at 0 exactly at each boundary.
@@ -130,6 +150,125 @@ class Boundaries:
                 "starts; fix the collator, or drop cu_seq_lens_q so boundaries are derived from "
                 "position_ids."
             )
+
+
+def resolve(
+    *,
+    device: torch.device,
+    position_ids: torch.Tensor | None,
+    attention_mask=None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    host_cu_seqlens=None,
+    seq_idx: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    padding_segments=None,
+    validate: bool = True,
+) -> Boundaries | None:
+    """The boundaries of one batch, or None when it is not packed (stock semantics apply).
+
+    `position_ids` are the text positions `[B, T]` (the first MRoPE axis for 3-D ones).
+    `validate`: cross-check a collator's boundary tensors against its `position_ids` and mask (one
+    host sync; the caller decides how often that is worth it on a GPU).
+    """
+    if cu_seq_lens_q is not None:
+        return _from_collator(device, position_ids, attention_mask, cu_seq_lens_q, host_cu_seqlens, seq_idx,
+                              max_length_q, padding_segments, validate)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        return _from_mask(device, attention_mask, position_ids)
+    if position_ids is None:
+        return None
+    flat = _rows(position_ids).to("cpu")
+    if not bool(_restarts(flat).any()):
+        return None  # every row is one sequence, whatever its first position: stock semantics
+    if attention_mask is not None:
+        raise BoundaryError(
+            f"position_ids restart inside a row (a packed batch) but the attention_mask is "
+            f"{_describe(attention_mask)}, from which the recurrence cannot read where sequences end. "
+            "Pass a 2-D attention_mask (0/1, or Axolotl's per-sequence ids) or none, with restarting position_ids."
+        )
+    starts = torch.nonzero((_row_starts(flat) | _restarts(flat)).reshape(-1)).reshape(-1)
+    return Boundaries.from_starts(starts, flat.numel(), device=device, source="position_ids (1 sync per forward)")
+
+
+def _from_collator(device, positions, mask, cu, host, seq_idx, max_length, padding, validate) -> Boundaries:
+    padding = tuple(int(i) for i in (padding or ()))
+    boundaries = Boundaries.from_cu_seqlens(cu, device=device, host=host, seq_idx=seq_idx, max_seqlen=max_length,
+                                            padding_segments=padding)
+    if padding and not 0 <= min(padding) <= max(padding) < boundaries.num_sequences:
+        raise BoundaryError(
+            f"{PADDING_SEGMENTS_KWARG} = {padding} names segments outside the row's "
+            f"{boundaries.num_sequences}; emit both from the same row (PackedCollator does)."
+        )
+    if not validate:
+        return boundaries
+    if isinstance(mask, torch.Tensor) and not bool((mask.reshape(-1) != 0).all()):
+        raise BoundaryError(
+            "a packed batch (cu_seq_lens_q) also carries an attention_mask with zeros; packed rows mark "
+            "padding as its own sequence and need no mask. Drop attention_mask from the collator output."
+        )
+    if positions is not None:
+        boundaries.check_position_ids(positions)
+    return boundaries
+
+
+def _from_mask(device, mask: torch.Tensor, positions: torch.Tensor | None) -> Boundaries | None:
+    """Axolotl's multipack rows (`attention_mask` 1, 1, 2, 2, 2, 0: a sequence id per token, 0 for
+    padding), or a 0/1 mask over rows whose `position_ids` restart inside a run of ones. Anything
+    else (left or right padding) is an ordinary padded batch: None."""
+    m = mask.detach().to("cpu")
+    if m.is_floating_point():
+        if not bool((m == m.round()).all()):
+            raise BoundaryError(f"attention_mask holds non-integer values ({_describe(mask)}); expected 0/1 or "
+                                "per-sequence ids")
+        m = m.long()
+    m = m.long()
+    if bool((m < 0).any()):
+        raise BoundaryError(f"attention_mask holds negative values ({_describe(mask)}); expected 0/1 or "
+                            "per-sequence ids 1, 2, 3, ... with 0 for padding")
+    flat_m = m.reshape(-1)
+    rows, width = m.shape
+    row_start = torch.zeros(rows * width, dtype=torch.bool)
+    row_start[::width] = True
+    changes = row_start.clone()
+    changes[1:] |= flat_m[1:] != flat_m[:-1]
+    restarts = torch.zeros_like(row_start)
+    if positions is not None:
+        p = _rows(positions).to("cpu")
+        if p.shape != m.shape:
+            raise BoundaryError(f"position_ids have shape {tuple(p.shape)} but attention_mask {tuple(m.shape)}")
+        restarts = _restarts(p).reshape(-1)
+    inside_data = restarts & ~changes & (flat_m != 0)
+    if int(m.max()) <= 1 and not bool(inside_data.any()):
+        return None  # an ordinary padded batch
+    starts = torch.nonzero(changes | (restarts & (flat_m != 0))).reshape(-1)
+    padding = tuple(torch.nonzero(flat_m[starts] == 0).reshape(-1).tolist())
+    source = "attention_mask ids (Axolotl multipack)" if int(m.max()) > 1 else "attention_mask + restarting position_ids"
+    return Boundaries.from_starts(starts, rows * width, device=device, source=f"{source}, 1 sync per forward",
+                                  padding_segments=padding)
+
+
+def _rows(position_ids: torch.Tensor) -> torch.Tensor:
+    """Text position ids as `[rows, T]`."""
+    return position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() > 1 else position_ids.view(1, -1)
+
+
+def _row_starts(flat: torch.Tensor) -> torch.Tensor:
+    starts = torch.zeros(flat.shape, dtype=torch.bool)
+    starts[:, 0] = True
+    return starts
+
+
+def _restarts(flat: torch.Tensor) -> torch.Tensor:
+    """True where a position does not follow the one before it in its row by exactly one."""
+    out = torch.zeros(flat.shape, dtype=torch.bool)
+    out[:, 1:] = flat[:, 1:] != flat[:, :-1] + 1
+    return out
+
+
+def _describe(mask) -> str:
+    if isinstance(mask, torch.Tensor):
+        return f"a {mask.dim()}-D {str(mask.dtype).replace('torch.', '')} tensor of shape {tuple(mask.shape)}"
+    return type(mask).__name__
 
 
 def _check_cu_seqlens(host: torch.Tensor) -> None:

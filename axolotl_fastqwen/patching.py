@@ -21,8 +21,9 @@ from torch import nn
 
 from . import registry
 from .adapters import LoraInputCast
-from .boundaries import BOUNDARIES_KWARG, HOST_CU_SEQLENS_KWARG, Boundaries, BoundaryError
+from .boundaries import BOUNDARIES_KWARG, HOST_CU_SEQLENS_KWARG, PADDING_SEGMENTS_KWARG, BoundaryError, resolve
 from .families.base import Family, detect_family, unwrap
+from .forward_context import ForwardContext
 from .kernels import CheckShapes, KernelSet, select_kernels, selfcheck
 from .layers.attention import attention_forward
 from .layers.causal_lm import causal_lm_forward
@@ -40,6 +41,21 @@ class LayerPatch:
     family: Family
     kernels: KernelSet
     original_forward: Any
+    context: ForwardContext
+
+    def bind(self, args: tuple, kwargs: dict) -> dict:
+        """Positional arguments by the names the stock forward gives them (its `**kwargs` merged)."""
+        if not args:
+            return dict(kwargs)
+        signature = inspect.signature(self.original_forward)
+        bound = signature.bind_partial(*args, **kwargs)
+        out = {}
+        for name, value in bound.arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
 
 
 @dataclass
@@ -139,6 +155,7 @@ def patch_model(
         param = next(base.parameters(), None)
         device = param.device if param is not None and param.device.type != "meta" else _default_device()
     kernels = select_kernels(device, backend, prefer=prefer)
+    context = ForwardContext()
 
     gdn_classes = family.classes(family.gated_deltanet)
     attn_classes = family.classes(family.attention)
@@ -148,11 +165,11 @@ def patch_model(
     for module in base.modules():
         if type(module) in gdn_classes:
             _check_conv_not_adapted(module)
-            _install(module, gated_deltanet_forward, family, kernels)
+            _install(module, gated_deltanet_forward, family, kernels, context)
             patched.append(module)
             counts["gdn"] += 1
         elif type(module) in attn_classes:
-            _install(module, attention_forward, family, kernels)
+            _install(module, attention_forward, family, kernels, context)
             patched.append(module)
             counts["attn"] += 1
 
@@ -168,13 +185,14 @@ def patch_model(
     lora_cast = LoraInputCast(base)
     for module in base.modules():
         if type(module) in family.classes(family.decoder_models):
-            hooks.append(module.register_forward_pre_hook(_BoundaryHook(report, base, lora_cast), with_kwargs=True))
+            hooks.append(module.register_forward_pre_hook(_DecoderPreHook(report, base, lora_cast, context), with_kwargs=True))
     if not hooks:
         raise RuntimeError(f"{type(base).__name__}: no decoder model of {family.decoder_models} found to hook")
 
     if fused_cross_entropy:
-        report.fused_cross_entropy = _patch_causal_lm(base, family, kernels, patched)
-    base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast}
+        report.fused_cross_entropy = _patch_causal_lm(base, family, kernels, patched, context)
+    base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
+                                 "context": context}
     LOG.info("%s", report.format())
     return report
 
@@ -221,11 +239,11 @@ class PatchedForward:
         return PatchedForward(self.function, copy.deepcopy(self.module, memo), self.__signature__)
 
 
-def _install(module: nn.Module, forward, family: Family, kernels: KernelSet) -> None:
+def _install(module: nn.Module, forward, family: Family, kernels: KernelSet, context: ForwardContext) -> None:
     # accelerate's dispatch hooks keep the real forward in `_old_forward`: patch beneath them
     attr = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
     original = getattr(module, attr)
-    module.__dict__["_fastqwen"] = LayerPatch(family, kernels, original)
+    module.__dict__["_fastqwen"] = LayerPatch(family, kernels, original, context)
     module.__dict__["_fastqwen_attr"] = attr
     module.__dict__["_fastqwen_had_instance_forward"] = attr in module.__dict__
     setattr(module, attr, PatchedForward(forward, module, inspect.signature(original)))
@@ -251,83 +269,98 @@ def _check_conv_not_adapted(module: nn.Module) -> None:
         )
 
 
-def _patch_causal_lm(base: nn.Module, family: Family, kernels: KernelSet, patched: list) -> str:
+def _patch_causal_lm(base: nn.Module, family: Family, kernels: KernelSet, patched: list, context) -> str:
     lm_classes = family.classes(family.causal_lms)
     if type(base) not in lm_classes:
         return f"off ({type(base).__name__} is not one of {family.causal_lms})"
     head = base.lm_head
     if type(head) is not nn.Linear or head.bias is not None:
         return f"off (lm_head is {type(head).__name__}: an adapter or bias on it needs the stock loss)"
-    _install(base, causal_lm_forward, family, kernels)
+    _install(base, causal_lm_forward, family, kernels, context)
     patched.append(base)
     return kernels.choices["linear_cross_entropy"].backend.name
 
 
-class _BoundaryHook:
-    """Forward pre-hook on the decoder: resolves the batch's boundaries once per forward.
+class _DecoderPreHook:
+    """Forward pre-hook on the decoder: everything decided once per forward, before the first layer.
 
-    Packed batch (collator's `cu_seq_lens_q`, or restarting `position_ids` without an attention
-    mask): boundaries go to every layer as one object, the 4-D masks are skipped (varlen kernels
-    need none), and the cache is off while training. On the first GPU forward the kernels are
-    self-checked at this model's shapes. Padded or generation batches pass through unchanged.
-    Every forward also sets whether peft's LoRA layers upcast their input (`adapters.py`).
+    In order: the GPU self-check (first forward only), peft's LoRA input cast (`adapters.py`), the
+    batch-shape record for the report, then the boundaries (`boundaries.resolve`). A packed batch
+    gets one boundaries object for every layer, no 4-D masks (the varlen kernels need none) and no
+    cache (a packed row is not a prefix to continue; an empty cache object passed in is ignored
+    with a warning, a filled one refused). Unpacked and generation batches pass through unchanged.
     """
 
-    def __init__(self, report: PatchReport, base: nn.Module, lora_cast: LoraInputCast):
+    def __init__(self, report: PatchReport, base: nn.Module, lora_cast: LoraInputCast, context: ForwardContext):
         self.report = report
         self.base = base
         self.lora_cast = lora_cast
+        self.context = context
         self.validated = False
 
     def __call__(self, module, args, kwargs):
-        kernels = self.report.kernels
-        if not kernels.checked:
-            selfcheck(kernels, _check_shapes(self.base))
-            LOG.info("%s", self.report.format())
-        first = self.lora_cast.layers is None
-        self.lora_cast.update(kernels.device.type)
-        if first and self.lora_cast.describe():
-            kernels.notes.append(self.lora_cast.describe())
+        self._selfcheck_once()
+        self._lora_input_cast()
         host = kwargs.pop(HOST_CU_SEQLENS_KWARG, None)
-        shape = _input_shape(args, kwargs)
-        if shape is not None and len(self.report.batch_shapes["train" if module.training else "eval"]) < 64:
-            self.report.batch_shapes["train" if module.training else "eval"].add(shape)
+        padding = kwargs.pop(PADDING_SEGMENTS_KWARG, None)
+        self._record_shape(module.training, args, kwargs)
         if module.training:
             kwargs["use_cache"] = False
-        if kwargs.get("past_key_values") is not None or kwargs.get(BOUNDARIES_KWARG) is not None:
+        self.context.last_boundaries = kwargs.get(BOUNDARIES_KWARG)
+        if self.context.last_boundaries is not None:
             return args, kwargs
         device = _input_device(args, kwargs)
         position_ids = kwargs.get("position_ids")
         text_positions = position_ids[0] if position_ids is not None and position_ids.dim() == 3 else position_ids
-        mask = kwargs.get("attention_mask")
-        cu = kwargs.get("cu_seq_lens_q")
-        if cu is not None:
-            boundaries = Boundaries.from_cu_seqlens(
-                cu, device=device, host=host, seq_idx=kwargs.get("seq_idx"), max_seqlen=kwargs.get("max_length_q")
-            )
-        elif text_positions is not None and mask is None:
-            boundaries = Boundaries.from_position_ids(text_positions, device=device)
-        else:
+        validate = device.type != "cuda" or not self.validated  # on a GPU each check is a sync: check once
+        boundaries = resolve(
+            device=device, position_ids=text_positions, attention_mask=kwargs.get("attention_mask"),
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), host_cu_seqlens=host, seq_idx=kwargs.get("seq_idx"),
+            max_length_q=kwargs.get("max_length_q"), padding_segments=padding, validate=validate,
+        )
+        if boundaries is None:
             return args, kwargs
-        self._validate(boundaries, text_positions, mask, device)
+        self.validated = True
+        self._no_cache_on_packed_rows(kwargs)
         self.report.boundary_sources.add(boundaries.source)
+        self.context.last_boundaries = boundaries
         kwargs[BOUNDARIES_KWARG] = boundaries
         kwargs["attention_mask"] = {"full_attention": None, "linear_attention": None}
         return args, kwargs
 
-    def _validate(self, boundaries: Boundaries, positions, mask, device) -> None:
-        """Cross-check the boundary tensors. Free on CPU; on a GPU it costs a sync, so only the
-        first packed batch is checked there (a collator that is right once is right always)."""
-        if self.validated and device.type == "cuda":
-            return
-        if positions is not None:
-            boundaries.check_position_ids(positions)
-        if isinstance(mask, torch.Tensor) and not bool((mask.reshape(-1) != 0).all()):
-            raise BoundaryError(
-                "a packed batch (cu_seq_lens_q) also carries an attention_mask with zeros; packed rows mark "
-                "padding as its own sequence and need no mask. Drop attention_mask from the collator output."
-            )
-        self.validated = True
+    def _selfcheck_once(self) -> None:
+        kernels = self.report.kernels
+        if not kernels.checked:
+            selfcheck(kernels, _check_shapes(self.base))
+            LOG.info("%s", self.report.format())
+
+    def _lora_input_cast(self) -> None:
+        self.lora_cast.update(self.report.kernels.device.type)
+        note = self.lora_cast.describe()
+        if note and note not in self.report.kernels.notes:
+            self.report.kernels.notes.append(note)
+
+    def _record_shape(self, training: bool, args, kwargs) -> None:
+        shape = _input_shape(args, kwargs)
+        seen = self.report.batch_shapes["train" if training else "eval"]
+        if shape is not None and len(seen) < 64:
+            seen.add(shape)
+
+    def _no_cache_on_packed_rows(self, kwargs) -> None:
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            filled = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 1
+            if filled:
+                raise BoundaryError(
+                    f"a packed batch (several sequences per row) was passed with a cache holding {filled} "
+                    "tokens; a packed row cannot continue a cache. Generate from unpacked (padded) batches."
+                )
+            note = "an empty cache passed with packed rows was ignored (a packed row is not a prefix to continue)"
+            if note not in self.report.kernels.notes:
+                self.report.kernels.notes.append(note)
+                LOG.warning("axolotl_fastqwen: %s; past_key_values of that output is None", note)
+            kwargs["past_key_values"] = None
+        kwargs["use_cache"] = False
 
 
 def _input_shape(args, kwargs) -> tuple[int, ...] | None:

@@ -34,8 +34,8 @@ def linear_cross_entropy(
     """Loss of `hidden @ weight.T` against already-shifted `targets`.
 
     hidden `[..., H]`, weight `[V, H]`, targets `[...]`. Returns a 0-dim fp32 tensor: the sum of
-    per-token losses over `num_items_in_batch` if given, else their mean (0 if no token counts,
-    where PyTorch's mean would give NaN; such a batch then trains nothing, as it should).
+    per-token losses over `num_items_in_batch` if given, else their mean; 0 with zero gradients when
+    no token counts (where PyTorch would give NaN): such a batch trains nothing, as it should.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(h.device)
@@ -78,10 +78,14 @@ def liger_linear_cross_entropy(
 
 def _normalizer(t: torch.Tensor, num_items_in_batch, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
     """The loss's denominator, one definition for every backend: num_items_in_batch (the Trainer's
-    count across gradient-accumulation steps) if given, else this batch's counted tokens (at least 1)."""
+    count across gradient-accumulation steps) if given, else this batch's counted tokens; at least 1.
+
+    Why at least 1: a step with no trainable token (`num_items_in_batch == 0`) has a loss sum of 0,
+    and 0 / 0 would put NaN into every gradient and, through the optimizer, into every weight;
+    0 / 1 is the right answer (nothing to learn). stock `ForCausalLMLoss` returns NaN there."""
     if num_items_in_batch is None:
         return (t != ignore_index).sum().clamp(min=1).to(dtype)
-    return torch.as_tensor(num_items_in_batch, device=t.device).to(dtype)
+    return torch.as_tensor(num_items_in_batch, device=t.device).to(dtype).clamp(min=1)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

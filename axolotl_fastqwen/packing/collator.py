@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..boundaries import HOST_CU_SEQLENS_KWARG
+from ..boundaries import HOST_CU_SEQLENS_KWARG, PADDING_SEGMENTS_KWARG
 from .planner import Item, Piece, check_token_budget
 
 FILLER_KEY = "fastqwen_filler"
@@ -58,6 +58,8 @@ class PackedCollator:
     * `seq_idx` int32 `[1, B]`, segment index per token; the tail has its own index.
     * `fastqwen_cu_seqlens_host`: `cu_seq_lens_q` as a tuple of ints. Trainer/accelerate move
       tensors to the GPU but leave tuples on the host, so the model reads boundaries without a sync.
+    * `fastqwen_padding_segments`: indices of the segments that hold no data (the tail, filler
+      samples), as a tuple: MoE models leave them out of the router's auxiliary loss.
 
     No `attention_mask` is emitted: boundaries are explicit. Raises ValueError when the features
     hold more than `token_budget` tokens (the sampler never plans that).
@@ -73,6 +75,7 @@ class PackedCollator:
         ids_parts: list[np.ndarray] = []
         label_parts: list[np.ndarray] = []
         lengths: list[int] = []
+        padding_segments: list[int] = []  # filler samples: real tokens that must train nothing
         for i, feature in enumerate(features):
             ids = _as_1d(feature["input_ids"], "input_ids", i)
             n = ids.size
@@ -81,6 +84,7 @@ class PackedCollator:
             labels = feature.get("labels")
             if feature.get(FILLER_KEY):
                 labels = np.full(n, self.label_pad_token_id, dtype=np.int64)
+                padding_segments.append(len(lengths))
             elif labels is None:
                 labels = ids
             else:
@@ -99,6 +103,8 @@ class PackedCollator:
                 f"(fastqwen_token_budget). Feed PackedCollator bins planned by PackedBatchSampler "
                 f"for the same budget; overlong samples need fastqwen_overlong: truncate|split."
             )
+        if total < budget:
+            padding_segments.append(len(lengths))  # the tail
         seg = np.asarray(lengths + ([budget - total] if total < budget else []), dtype=np.int64)
         cu = np.zeros(seg.size + 1, dtype=np.int64)
         np.cumsum(seg, out=cu[1:])
@@ -123,6 +129,7 @@ class PackedCollator:
             "max_length_k": max_length,
             "seq_idx": torch.from_numpy(seq_idx).view(1, budget),
             HOST_CU_SEQLENS_KEY: tuple(cu.tolist()),
+            PADDING_SEGMENTS_KWARG: tuple(padding_segments),
         }
 
     @staticmethod
