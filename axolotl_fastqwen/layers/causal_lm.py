@@ -26,13 +26,14 @@ def causal_lm_forward(self, *args, **kwargs):
     kwargs = patch.bind(args, kwargs)  # positional arguments by name, as the stock signature has them
     labels = kwargs.pop("labels", None)
     targets = kwargs.pop("shift_labels", None)
-    if labels is None and targets is None:
-        return patch.original_forward(**kwargs)
-    if targets is None:
-        targets = shift_labels(labels)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
+    if labels is None and targets is None:  # no loss to fuse: the stock forward as it is
+        outputs = patch.original_forward(**kwargs, return_dict=True)
+        return _finish(self, patch, type(outputs), {**outputs}, return_dict)
+    if targets is None:
+        targets = shift_labels(labels)
     keep = kwargs.pop("logits_to_keep", None)
     if keep is None and not self.training:
         keep = 0  # eval: every position's logits, as stock returns them
@@ -53,19 +54,23 @@ def causal_lm_forward(self, *args, **kwargs):
     if keep is not None:
         index = slice(-keep, None) if isinstance(keep, int) else keep
         logits = self.lm_head(hidden[:, index, :])
+    return _finish(self, patch, type(outputs), {**outputs, "loss": loss, "logits": logits}, return_dict)
 
-    fields = {**outputs, "loss": loss, "logits": logits}
-    router_logits = getattr(outputs, "router_logits", None)
-    if getattr(outputs, "aux_loss", None) is not None and router_logits is not None:
-        # the stock forward computed it (output_router_logits) but adds it only when given labels
-        aux = router_aux_loss(self, patch, router_logits, kwargs.get("attention_mask"), outputs.aux_loss)
+
+def _finish(model, patch, output_type, fields: dict, return_dict: bool):
+    """The output as stock builds it: the MoE auxiliary loss over data tokens (added to the loss
+    when there is one: the stock forward adds it only when given labels), then dict or tuple."""
+    router_logits = fields.get("router_logits")
+    if fields.get("aux_loss") is not None and router_logits is not None:
+        aux = router_aux_loss(model, patch, router_logits, fields["aux_loss"])
         fields["aux_loss"] = aux
-        fields["loss"] = loss + _moe_setting(self, "router_aux_loss_coef") * aux.to(loss.device)
-    result = type(outputs)(**fields)
+        if fields.get("loss") is not None:
+            fields["loss"] = fields["loss"] + _moe_setting(model, "router_aux_loss_coef") * aux.to(fields["loss"].device)
+    result = output_type(**fields)
     return result if return_dict else result.to_tuple()
 
 
-def router_aux_loss(model, patch, router_logits, attention_mask, stock_aux):
+def router_aux_loss(model, patch, router_logits, stock_aux):
     """The load-balancing loss over the batch's data tokens.
 
     Unpacked batches: stock's value. Packed rows: stock's function with a 0/1 mask of the row's
