@@ -7,21 +7,22 @@ and `axolotl_fastqwen.packing` gives the static-shape 1D packer.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
-
-from .patching import PatchReport, patch_model, unpatch_model
 
 __version__ = "0.1.0"
 __all__ = ["FastQwenPlugin", "PatchReport", "patch_model", "unpatch_model", "__version__"]
 
 if TYPE_CHECKING:
+    from .patching import PatchReport, patch_model, unpatch_model
     from .plugin import FastQwenPlugin
+
+# Imported when first asked for: torch and transformers for the patcher, Axolotl for the plugin;
+# `python -m axolotl_fastqwen report` needs neither.
+_LAZY = {"PatchReport": "patching", "patch_model": "patching", "unpatch_model": "patching", "FastQwenPlugin": "plugin"}
 
 
 def __getattr__(name: str):
-    # Axolotl (and its heavy imports) only when the plugin class itself is asked for.
-    if name == "FastQwenPlugin":
-        from .plugin import FastQwenPlugin
-
-        return FastQwenPlugin
-    raise AttributeError(name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

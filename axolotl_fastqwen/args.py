@@ -6,6 +6,7 @@ would otherwise train silently wrong or silently slow.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -56,6 +57,25 @@ class FastQwenArgs(BaseModel):
                 f"use e.g. fastqwen_token_budget: {up}"
             )
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_keys(cls, data: Any) -> Any:
+        """A misspelt key would be dropped by the config schema and its setting silently lost."""
+        if not isinstance(data, dict):
+            return data
+        known = set(FastQwenArgs.model_fields)
+        unknown = sorted(str(k) for k in data if str(k).startswith("fastqwen_") and k not in known)
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
+                hints.append(f"`{key}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+            raise ValueError(
+                f"unknown axolotl_fastqwen option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; the "
+                f"options are {', '.join(sorted(known))}."
+            )
+        return data
 
     @model_validator(mode="before")
     @classmethod

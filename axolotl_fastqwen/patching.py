@@ -25,6 +25,7 @@ from .boundaries import BOUNDARIES_KWARG, HOST_CU_SEQLENS_KWARG, PADDING_SEGMENT
 from .families.base import Family, detect_family, unwrap
 from .forward_context import ForwardContext
 from .kernels import CheckShapes, KernelSet, select_kernels, selfcheck
+from .report import format_report
 from .layers.attention import attention_forward
 from .layers.causal_lm import causal_lm_forward
 from .layers.gated_deltanet import gated_deltanet_forward
@@ -109,28 +110,6 @@ class PatchReport:
         return format_report(self.to_dict())
 
 
-def format_report(d: dict) -> str:
-    """The load-time table, from `PatchReport.to_dict()` (also as read back from the JSON file)."""
-    lines = [
-        f"axolotl_fastqwen: {d['family']} ({d['model_class']}) on {d['device']}, kernels={d['mode']}: "
-        f"{d['layers_patched']['gated_deltanet']} Gated DeltaNet + {d['layers_patched']['attention']} attention "
-        "layers patched",
-        f"  {'op':<22} {'backend':<16} {'self-check / why others were not used'}",
-    ]
-    for op, info in d["ops"].items():
-        detail = info["selfcheck"] or ("not self-checked (CPU)" if d["device"] == "cpu" else "")
-        if info["rejected"]:
-            detail = (detail + "; " if detail else "") + "not: " + "; ".join(info["rejected"])
-        lines.append(f"  {op:<22} {info['backend']:<16} {detail}")
-    for note in d["notes"]:
-        lines.append(f"  note: {note}")
-    if d["boundary_sources"]:
-        lines.append(f"  boundaries from: {', '.join(d['boundary_sources'])}")
-    versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)
-    lines.append(f"  versions: {versions}")
-    return "\n".join(lines)
-
-
 def patch_model(
     model: nn.Module,
     *,
@@ -138,6 +117,7 @@ def patch_model(
     fused_cross_entropy: bool = True,
     device: torch.device | str | None = None,
     prefer: dict[str, str] | None = None,
+    log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
 
@@ -145,6 +125,7 @@ def patch_model(
     "require" (raise if any op would use the PyTorch path) or "reference" (PyTorch everywhere).
     device: where the model will train; defaults to the device of its parameters.
     prefer: op -> backend name to try first, e.g. {"causal_conv": "fla-triton"}.
+    log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
     base = unwrap(model)
@@ -193,7 +174,8 @@ def patch_model(
         report.fused_cross_entropy = _patch_causal_lm(base, family, kernels, patched, context)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context}
-    LOG.info("%s", report.format())
+    if log:
+        LOG.info("%s", report.format())
     return report
 
 

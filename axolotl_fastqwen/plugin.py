@@ -19,15 +19,16 @@ import torch
 from axolotl.integrations.base import BasePlugin, PluginManager
 from transformers import TrainerCallback
 
+from . import coexistence
 from .args import token_budget
 from .families.base import UnsupportedModelError
 from .kernels import KernelUnavailableError
 from .patching import patch_model
+from .report import REPORT_FILE
 
 LOG = logging.getLogger("axolotl_fastqwen")
 
 NAMES = frozenset({"axolotl_fastqwen", "axolotl_fastqwen.FastQwenPlugin", "axolotl_fastqwen:FastQwenPlugin"})
-REPORT_FILE = "fastqwen_report.json"
 
 
 def named_in(cfg) -> bool:
@@ -59,6 +60,7 @@ class FastQwenPlugin(BasePlugin):
         if self.active:
             # our logger sits outside Axolotl's "axolotl" hierarchy: show our INFO lines as it shows its own
             LOG.setLevel(min(logging.getLogger("axolotl").getEffectiveLevel(), logging.INFO))
+            check_model_type(cfg)  # at config load: before Axolotl tokenizes anything
         else:
             ours = sorted(key for key in cfg if str(key).startswith("fastqwen_"))
             if ours:
@@ -75,15 +77,8 @@ class FastQwenPlugin(BasePlugin):
     def pre_model_load(self, cfg):
         if not self.active:
             return
-        from . import registry
-
-        supported = {t for family in registry.families() for t in family.model_types}
-        model_type = cfg.get("model_config_type")
-        if model_type and model_type not in supported:
-            raise UnsupportedModelError(
-                f"axolotl_fastqwen supports model types {sorted(supported)}; this config loads "
-                f"{model_type!r}. Remove axolotl_fastqwen from `plugins:` for this model."
-            )
+        refuse_model_type(cfg.get("model_config_type"))
+        coexistence.check_device(cfg, _training_device().type)
         if cfg.get("fastqwen_kernels") == "require" and not torch.cuda.is_available():
             raise KernelUnavailableError(
                 "fastqwen_kernels: require needs a CUDA GPU with flash-linear-attention; this machine has "
@@ -94,17 +89,18 @@ class FastQwenPlugin(BasePlugin):
         if not self.active:
             return
         fused_ce = bool(cfg.get("fastqwen_fused_ce", True))
-        delegated = [k for k in ("cut_cross_entropy", "liger_fused_linear_cross_entropy") if cfg.get(k)]
-        if delegated:
-            fused_ce = False  # that plugin already fuses the loss; ours steps aside
         self.report = patch_model(
             model,
             backend=cfg.get("fastqwen_kernels") or "auto",
             fused_cross_entropy=fused_ce,
             device=_training_device(),
+            log=False,
         )
-        if delegated:
-            self.report.fused_cross_entropy = f"delegated to Axolotl's {delegated[0]}"
+        owner = coexistence.loss_owner(cfg)
+        if owner:
+            self.report.fused_cross_entropy = f"delegated to Axolotl's {owner}"
+        self.report.kernels.notes.extend(coexistence.notes(cfg, self.report))
+        LOG.info("%s", self.report.format())
 
     # ---- data ------------------------------------------------------------------------------
     def get_collator_cls_and_kwargs(self, cfg, is_eval=False):
@@ -135,6 +131,39 @@ class FastQwenPlugin(BasePlugin):
         out.mkdir(parents=True, exist_ok=True)
         (out / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
         LOG.info("axolotl_fastqwen: report written to %s", out / REPORT_FILE)
+
+
+def supported_model_types() -> set[str]:
+    from . import registry
+
+    return {t for family in registry.families() for t in family.model_types}
+
+
+def refuse_model_type(model_type: str | None) -> None:
+    supported = supported_model_types()
+    if model_type and model_type not in supported:
+        raise UnsupportedModelError(
+            f"axolotl_fastqwen supports model types {sorted(supported)}; this config loads "
+            f"{model_type!r}. Remove axolotl_fastqwen from `plugins:` for this model."
+        )
+
+
+def check_model_type(cfg) -> None:
+    """Refuse an unsupported model from its config.json, at config load. A config that cannot be
+    read here (not downloaded yet, remote code) is checked again at model load."""
+    source = cfg.get("base_model_config") or cfg.get("base_model")
+    if not source:
+        return
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            source, trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model")
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure to read it defers the check
+        LOG.debug("axolotl_fastqwen: model config of %s not readable at config load (%s)", source, exc)
+        return
+    refuse_model_type(getattr(config, "model_type", None))
 
 
 def _packing(cfg) -> bool:

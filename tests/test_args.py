@@ -43,3 +43,12 @@ def test_defaults_and_budget():
         True, "auto", "error", True)
     assert token_budget({"sequence_len": 500, "micro_batch_size": 3}) == 1536  # 1500 rounded up to 64
     assert token_budget({"fastqwen_token_budget": 4096, "sequence_len": 512}) == 4096
+
+
+def test_a_misspelt_key_fails_naming_the_closest_valid_one():
+    with pytest.raises(ValidationError) as err:
+        FastQwenArgs.model_validate({"fastqwen_pakcing": False, "fastqwen_token_budgett": 1024})
+    message = str(err.value)
+    assert "`fastqwen_pakcing` (did you mean `fastqwen_packing`?)" in message
+    assert "`fastqwen_token_budgett` (did you mean `fastqwen_token_budget`?)" in message
+    FastQwenArgs.model_validate({"fastqwen_packing": False, "unrelated_key": 1})  # others are Axolotl's business

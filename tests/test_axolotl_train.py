@@ -79,6 +79,7 @@ def test_class_form_patches_packs_and_reports(tmp_path):
     assert epoch["bins"] < epoch["padded_batches"] and epoch["over_lower_bound_pct"] <= 2.0
     assert "Gated DeltaNet + 1 attention layers patched" in log  # the load-time table is printed
     assert "fastqwen packing:" in log
+    assert not any("LoRA" in note for note in kernels["notes"]), kernels["notes"]  # no autocast on CPU: no claim
 
 
 def test_bare_module_name_works_once_on_qwen3_next(tmp_path):
@@ -110,3 +111,106 @@ def test_contradictory_config_fails_at_load_naming_key_and_fix(tmp_path):
     assert run.returncode != 0
     assert "`sample_packing: True`" in out and "set `fastqwen_packing: false`" in out
     assert "Loading model" not in out  # failed at config load, before any model work
+
+
+def train_losses(log: str) -> list[float]:
+    """The per-step training losses the Trainer logs (`logging_steps: 1`)."""
+    import re
+
+    return [float(x) for x in re.findall(r"'loss': '?([0-9.]+(?:e-?\d+)?)'?", log)]
+
+
+def test_liger_plugin_beside_ours_runs_and_the_report_names_the_loss(tmp_path):
+    """Axolotl's Liger plugin with its fused linear cross-entropy on a CPU run: Liger's Triton kernel
+    cannot run here, so the plugin keeps the loss (the same definition) and says so; the losses
+    equal those of the same run without Liger, step by step."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    reference = train_losses(train(config(plain)))
+    path = config(tmp_path, plugins=["axolotl_fastqwen.FastQwenPlugin", "axolotl.integrations.liger.LigerPlugin"],
+                  liger_fused_linear_cross_entropy=True)
+    log = train(path)
+    r = report(tmp_path)["kernels"]
+    assert r["ops"]["linear_cross_entropy"]["backend"] == "torch-chunked"
+    assert any(n.startswith("liger_fused_linear_cross_entropy: superseded") for n in r["notes"]), r["notes"]
+    losses = train_losses(log)
+    assert len(losses) == len(reference) == 3
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference)), (losses, reference)
+
+
+def test_liger_kernels_that_cannot_run_on_cpu_fail_before_the_model_loads(tmp_path):
+    path = config(tmp_path, plugins=["axolotl_fastqwen.FastQwenPlugin", "axolotl.integrations.liger.LigerPlugin"],
+                  liger_rms_norm=True, liger_glu_activation=True)
+    run = axolotl("train", str(path), "--launcher", "python")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "`liger_rms_norm: true`, `liger_glu_activation: true` run Triton kernels, which need a CUDA GPU" in out
+    assert "Set them false here" in out
+
+
+def test_a_misspelt_plugin_key_fails_at_config_load(tmp_path):
+    run = axolotl("preprocess", str(config(tmp_path, fastqwen_pakcing=False)))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "unknown axolotl_fastqwen option `fastqwen_pakcing` (did you mean `fastqwen_packing`?)" in out
+    assert "Tokenizing" not in out and "Loading model" not in out
+
+
+def test_an_unsupported_model_is_refused_at_config_load(tmp_path):
+    """A non-hybrid checkpoint (Qwen3) in a config that names the plugin: refused from its config.json
+    before any dataset work, not after tokenization."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    model_dir = tmp_path / "qwen3"
+    Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=16, vocab_size=512)).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(ASSETS / "tokenizer").save_pretrained(model_dir)
+    run = axolotl("preprocess", str(config(tmp_path, base_model=str(model_dir))))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "axolotl_fastqwen supports model types" in out and "'qwen3'" in out
+    assert "Tokenizing" not in out and "Loading model" not in out
+
+
+@pytest.mark.parametrize("mode", ["truncate", "split"])
+def test_overlong_samples_are_cut_counted_and_reported(tmp_path, mode):
+    """A 256-token budget under sequence_len 512: the chat samples between 256 and 512 tokens are
+    overlong. Both modes train, and the report counts what was cut (the planner alone would say 0,
+    since it sees the samples after cutting)."""
+    path = config(tmp_path, fastqwen_token_budget=256, fastqwen_overlong=mode)
+    log = train(path)
+    packing = report(tmp_path)["packing"]
+    cut = packing["overlong_train"]
+    assert cut["mode"] == mode and cut["overlong_samples"] > 0 and cut["tokens_in_overlong"] > 256 * cut["overlong_samples"]
+    if mode == "truncate":
+        assert cut["tokens_dropped"] == cut["tokens_in_overlong"] - 256 * cut["overlong_samples"] > 0
+        assert f"truncated: {cut['tokens_dropped']:,} tokens dropped" in log
+    else:
+        assert cut["pieces"] >= 2 * cut["overlong_samples"]
+        assert f"split into {cut['pieces']} pieces" in log
+    assert report(tmp_path)["kernels"]["batch_shapes"]["train"] == [[1, 256]]
+    shown = subprocess.run([sys.executable, "-m", "axolotl_fastqwen", "report", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "overlong (train):" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_overlong_error_names_the_rows_and_lengths(tmp_path):
+    run = axolotl("train", str(config(tmp_path, fastqwen_token_budget=256)), "--launcher", "python")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "samples are longer than the token budget of 256 tokens: the longest: dataset index" in out
+    assert "begins '" in out and "fastqwen_overlong: truncate|split" in out
+
+
+def test_report_command_is_fast_and_says_where_it_looked(tmp_path):
+    import time
+
+    path = config(tmp_path)
+    started = time.perf_counter()
+    shown = subprocess.run([sys.executable, "-m", "axolotl_fastqwen", "report", str(path)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    seconds = time.perf_counter() - started
+    assert shown.returncode == 1
+    assert f"no fastqwen_report.json in {tmp_path / 'out'}" in shown.stdout
+    assert "bitsandbytes" not in shown.stdout + shown.stderr
+    assert seconds < 5, seconds  # no torch, transformers or Axolotl import (0.1 s here; 10 s before)

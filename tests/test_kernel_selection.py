@@ -137,3 +137,17 @@ def test_prefer_picks_a_named_backend_and_rejects_unknown_names():
     assert ks.names()["causal_conv"] == "torch"
     with pytest.raises(ValueError, match="no backend 'nope' for causal_conv"):
         K.select_kernels("cpu", "auto", prefer={"causal_conv": "nope"})
+
+
+def test_versions_and_cpu_selection_import_no_kernel_package():
+    """fla prints Triton warnings when imported without a GPU: reading versions and choosing CPU
+    kernels must not import it (nor causal-conv1d, flash-attn, Liger)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from axolotl_fastqwen.ops.availability import versions; "
+            "from axolotl_fastqwen.kernels import select_kernels; v = versions(); select_kernels('cpu'); "
+            "loaded = [m for m in ('fla', 'causal_conv1d', 'flash_attn', 'liger_kernel') if m in sys.modules]; "
+            "print('LOADED', loaded, v.get('fla'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "LOADED [] " in out.stdout, out.stdout + out.stderr

@@ -158,8 +158,12 @@ def test_overlong_error_names_the_numbers_and_the_fix():
     with pytest.raises(ValueError) as err:
         plan_bins([10, 9000, 70, 12000], 8192)
     msg = str(err.value)
-    for part in ("12000", "2 samples", "8192", "fastqwen_token_budget", "fastqwen_overlong: truncate|split"):
+    for part in ("12000", "2 samples are longer", "8192", "fastqwen_token_budget", "fastqwen_overlong: truncate|split",
+                 "the longest: dataset index 3 (12000 tokens), dataset index 1 (9000 tokens)"):
         assert part in msg, (part, msg)
+    with pytest.raises(ValueError, match=r"^1 sample is longer than the token budget of 64 tokens: dataset index 1 "
+                                         r"\(65 tokens\)\. "):
+        plan_bins([10, 65], 64)
 
 
 @pytest.mark.parametrize("bad", [0, -64, 100, 8100, 64.0, True, "8192"])

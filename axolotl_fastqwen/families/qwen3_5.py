@@ -7,11 +7,18 @@ from .base import Family
 
 
 def project_split(layer, hidden_states):
-    """`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`: each a Linear, or its peft LoRA wrapper."""
+    """`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`: each a Linear, or its peft LoRA wrapper;
+    or, where Axolotl's `lora_qkv_kernel` attached it, its fused LoRA autograd node for all four
+    (`apply_in_proj_fused`: one input read, base and adapter matmuls together)."""
     batch, seq_len, _ = hidden_states.shape
-    mixed_qkv = layer.in_proj_qkv(hidden_states)
-    z = layer.in_proj_z(hidden_states).reshape(batch, seq_len, -1, layer.head_v_dim)
-    return mixed_qkv, z, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states)
+    fused = getattr(layer, "apply_in_proj_fused", None)
+    if fused is not None:
+        out = fused(hidden_states)
+        mixed_qkv, z, b, a = (out[name] for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    else:
+        mixed_qkv, z = layer.in_proj_qkv(hidden_states), layer.in_proj_z(hidden_states)
+        b, a = layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states)
+    return mixed_qkv, z.reshape(batch, seq_len, -1, layer.head_v_dim), b, a
 
 
 FAMILY = Family(

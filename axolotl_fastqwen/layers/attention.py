@@ -22,11 +22,13 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask=N
     batch, seq_len, _ = hidden_states.shape
     x = hidden_states.reshape(1, batch * seq_len, -1)
     tokens = x.shape[1]
-    query, gate = torch.chunk(self.q_proj(x).view(1, tokens, -1, 2 * self.head_dim), 2, dim=-1)
+    apply_qkv = getattr(self, "apply_qkv", None)  # Axolotl's lora_qkv_kernel, if attached
+    q, k, v = apply_qkv(x) if apply_qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+    query, gate = torch.chunk(q.view(1, tokens, -1, 2 * self.head_dim), 2, dim=-1)
     gate = gate.reshape(1, tokens, -1)
     query = self.q_norm(query)
-    key = self.k_norm(self.k_proj(x).view(1, tokens, -1, self.head_dim))
-    value = self.v_proj(x).view(1, tokens, -1, self.head_dim)
+    key = self.k_norm(k.view(1, tokens, -1, self.head_dim))
+    value = v.view(1, tokens, -1, self.head_dim)
 
     cos, sin = position_embeddings
     cos, sin = cos.reshape(1, tokens, -1), sin.reshape(1, tokens, -1)
@@ -38,4 +40,5 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask=N
         dropout=self.attention_dropout if self.training else 0.0,
     )
     out = out.reshape(1, tokens, -1) * torch.sigmoid(gate)
-    return self.o_proj(out).reshape(batch, seq_len, -1), None
+    o_proj = getattr(self, "apply_o", None) or self.o_proj  # Axolotl's lora_o_kernel, if attached
+    return o_proj(out).reshape(batch, seq_len, -1), None

@@ -1,8 +1,10 @@
 """The Gated DeltaNet forward: projections -> boundary-exact conv -> gated delta rule -> gated norm.
 
 It calls the layer's own submodules (`in_proj_*`, `out_proj`), so peft LoRA wrappers on them keep
-working, and takes the kernels and the batch's boundaries from outside: kernels chosen at patch
-time, boundaries resolved once per forward by the model-level hook.
+working (and Axolotl's fused LoRA projections, `apply_in_proj_fused` / `apply_out_proj`, where its
+`lora_qkv_kernel` / `lora_o_kernel` attached them), and takes the kernels and the batch's
+boundaries from outside: kernels chosen at patch time, boundaries resolved once per forward by the
+model-level hook.
 """
 
 from __future__ import annotations
@@ -39,5 +41,6 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None,
 
     core = kernels.gated_delta_rule(query, key, value, a, b, self.A_log, self.dt_bias, boundaries=boundaries)
     core = kernels.gated_rmsnorm(core, z, self.norm.weight, eps=self.norm.variance_epsilon)
-    output = self.out_proj(core.reshape(rows, tokens, -1))
+    out_proj = getattr(self, "apply_out_proj", None) or self.out_proj  # Axolotl's lora_o_kernel, if attached
+    output = out_proj(core.reshape(rows, tokens, -1))
     return output.reshape(batch, seq_len, -1)

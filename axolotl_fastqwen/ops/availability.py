@@ -1,7 +1,9 @@
-"""Which kernel libraries are importable here, and at which version.
+"""Which kernel libraries are installed here, at which version, and whether they import.
 
-Import is not enough to use a kernel (fla imports on a CPU machine and crashes at the first
-launch), so this module only answers "is it installed"; `selfcheck` answers "does it work".
+Versions are read from package metadata without importing anything: importing fla on a machine
+without a GPU prints Triton warnings, so a kernel package is imported only by the `has_*` checks,
+which kernel selection calls for a CUDA device alone. Import is still not enough to use a kernel
+(fla imports on a CPU machine and crashes at the first launch): `selfcheck` answers "does it work".
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 
 import torch
 
@@ -24,40 +27,47 @@ DISTRIBUTIONS = {
 
 @functools.cache
 def version_of(package: str) -> str | None:
-    """Installed version of `package` (import name), or None when it is absent or broken."""
-    dist = DISTRIBUTIONS.get(package, package)
+    """Installed version of `package` (import name), or None when it is absent. Imports nothing."""
     try:
-        importlib.import_module(package)
-    except Exception:  # a broken install (missing CUDA extension, wrong torch ABI) counts as absent
+        if importlib.util.find_spec(package) is None:
+            return None
+    except (ImportError, ValueError):
         return None
     try:
-        return importlib.metadata.version(dist)
+        return importlib.metadata.version(DISTRIBUTIONS.get(package, package))
     except importlib.metadata.PackageNotFoundError:
-        module = importlib.import_module(package)
-        return getattr(module, "__version__", "unknown")
+        return "unknown"
 
 
-def has_fla() -> bool:
-    return version_of("fla") is not None
-
-
-def has_causal_conv1d() -> bool:
-    if version_of("causal_conv1d") is None:
+@functools.cache
+def importable(package: str) -> bool:
+    """Whether `package` imports (a broken install, e.g. a missing CUDA extension or a torch ABI
+    mismatch, does not). Imports it: call only where its kernels can run."""
+    if version_of(package) is None:
         return False
-    try:  # the Python package installs without its CUDA extension on CPU-only builds
-        importlib.import_module("causal_conv1d_cuda")
-    except Exception:
+    try:
+        importlib.import_module(package)
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return False
     return True
 
 
+def has_fla() -> bool:
+    return importable("fla")
+
+
+def has_causal_conv1d() -> bool:
+    # the Python package installs without its CUDA extension on CPU-only builds
+    return importable("causal_conv1d") and importable("causal_conv1d_cuda")
+
+
 def has_flash_attn() -> bool:
-    return version_of("flash_attn") is not None
+    return importable("flash_attn")
 
 
 def has_liger() -> bool:
     """Liger-Kernel's fused linear cross-entropy (Triton; imports on CPU too, runs on CUDA only)."""
-    return version_of("liger_kernel") is not None
+    return importable("liger_kernel")
 
 
 def has_torch_varlen() -> bool:

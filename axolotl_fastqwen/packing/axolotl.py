@@ -6,6 +6,7 @@ Kept apart from the packer itself (which needs neither Axolotl nor transformers)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -14,7 +15,7 @@ import types
 import numpy as np
 
 from .collator import PackedCollator
-from .planner import Piece
+from .planner import Piece, overlong_message
 from .sampler import PackedBatchSampler
 from .stats import packing_stats
 
@@ -50,13 +51,27 @@ class AxolotlPackedBatchSampler(PackedBatchSampler):
             yield [item for item in bin_ if not (isinstance(item, Piece) and item.filler)]
 
 
-def fit_to_budget(dataset, token_budget: int, mode: str):
-    """Apply `fastqwen_overlong` to a tokenized `datasets.Dataset` (truncate or split rows)."""
+def fit_to_budget(dataset, token_budget: int, mode: str, describe=None) -> tuple[object, dict]:
+    """Apply `fastqwen_overlong` to a tokenized `datasets.Dataset`; returns it and what was cut.
+
+    `error` raises, naming the samples (`describe(index)` says where each comes from); `truncate`
+    keeps each overlong sample's first `token_budget` tokens; `split` makes consecutive pieces of
+    at most `token_budget` tokens, each its own sample (position_ids restart in each piece).
+    """
+    lengths = _lengths(dataset)
+    over = lengths > token_budget
+    cut = {"mode": mode, "overlong_samples": int(over.sum()), "tokens_in_overlong": int(lengths[over].sum())}
+    if not over.any():
+        return dataset, cut
     if mode == "error":
-        return dataset
+        raise ValueError(overlong_message(lengths, token_budget, describe))
+    if mode == "truncate":
+        cut["tokens_dropped"] = int((lengths[over] - token_budget).sum())
+    else:
+        cut["pieces"] = int((-(-lengths[over] // token_budget)).sum())
     columns = [c for c in ("input_ids", "labels", "attention_mask", "position_ids") if c in dataset.column_names]
 
-    def cut(batch):
+    def cut_rows(batch):
         out = {c: [] for c in batch}
         for i in range(len(batch["input_ids"])):
             n = len(batch["input_ids"][i])
@@ -76,7 +91,36 @@ def fit_to_budget(dataset, token_budget: int, mode: str):
                 start = stop
         return out
 
-    return dataset.map(cut, batched=True, desc=f"fastqwen_overlong: {mode}")
+    return dataset.map(cut_rows, batched=True, desc=f"fastqwen_overlong: {mode}"), cut
+
+
+def describe_cut(cut: dict) -> str:
+    """One log line for what `fit_to_budget` did."""
+    n = cut["overlong_samples"]
+    if not n:
+        return "no sample longer than the token budget"
+    samples = f"{n} sample{'s' if n != 1 else ''} longer than the token budget ({cut['tokens_in_overlong']:,} tokens)"
+    if cut["mode"] == "truncate":
+        return f"{samples} truncated: {cut['tokens_dropped']:,} tokens dropped"
+    return f"{samples} split into {cut['pieces']} pieces"
+
+
+def sample_origin(dataset, tokenizer=None):
+    """`describe(index)` for error messages: the row before Axolotl's shuffle (when the dataset
+    still carries its shuffle's index map) and how the sample begins, so it can be found."""
+
+    def describe(i: int) -> str:
+        parts = []
+        indices = getattr(dataset, "_indices", None)
+        if indices is not None:
+            parts.append(f"row {indices.column(0)[i].as_py()} before shuffling")
+        if tokenizer is not None:
+            with contextlib.suppress(Exception):
+                text = tokenizer.decode(dataset[i]["input_ids"][:24])
+                parts.append(f"begins {text[:80]!r}")
+        return ", ".join(parts)
+
+    return describe
 
 
 def _lengths(dataset) -> np.ndarray:
@@ -98,7 +142,10 @@ def install_packed_sampler(trainer, cfg) -> dict:
     seed = trainer.args.data_seed if getattr(trainer.args, "data_seed", None) is not None else trainer.args.seed
     replicas = trainer._data_parallel_size() if hasattr(trainer, "_data_parallel_size") else trainer.args.world_size
 
-    trainer.train_dataset = fit_to_budget(trainer.train_dataset, budget, mode)
+    tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+    trainer.train_dataset, train_cut = fit_to_budget(
+        trainer.train_dataset, budget, mode, sample_origin(trainer.train_dataset, tokenizer))
+    LOG.info("axolotl_fastqwen: training set: %s", describe_cut(train_cut))
     train_sampler = AxolotlPackedBatchSampler(_lengths(trainer.train_dataset), budget, seed=seed, num_replicas=replicas)
     eval_samplers = {}
 
@@ -116,11 +163,15 @@ def install_packed_sampler(trainer, cfg) -> dict:
 
     trainer._get_train_sampler = types.MethodType(train_sampler_fn, trainer)
     trainer._get_eval_sampler = types.MethodType(eval_sampler_fn, trainer)
+    eval_cut = None
     if hasattr(trainer.eval_dataset, "column_names"):
-        trainer.eval_dataset = fit_to_budget(trainer.eval_dataset, budget, mode)
+        trainer.eval_dataset, eval_cut = fit_to_budget(
+            trainer.eval_dataset, budget, mode, sample_origin(trainer.eval_dataset, tokenizer))
+        LOG.info("axolotl_fastqwen: evaluation set: %s", describe_cut(eval_cut))
     _forward_epochs_on_resume(trainer)
 
     report = _report(trainer, cfg, train_sampler, budget, replicas)
+    report["overlong_train"], report["overlong_eval"] = train_cut, eval_cut
     _exact_steps(trainer, cfg, len(train_sampler) // replicas)
     report["optimizer_steps"] = trainer.args.max_steps
     return report

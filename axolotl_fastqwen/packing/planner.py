@@ -139,12 +139,24 @@ class EpochPlan:
         return list(self.iter_bins())
 
 
-def _overlong_error(lengths: np.ndarray, token_budget: int) -> ValueError:
-    over = lengths > token_budget
-    return ValueError(
-        f"{int(over.sum())} samples are longer than the token budget {token_budget} (longest: "
-        f"{int(lengths.max())} tokens, dataset index {int(lengths.argmax())}). Raise "
-        f"fastqwen_token_budget or set fastqwen_overlong: truncate|split."
+def overlong_message(lengths: np.ndarray, token_budget: int, describe=None) -> str:
+    """What is too long, by dataset index and length (up to three, longest first), and the fix.
+
+    `describe(index)` may add where that sample comes from (the Axolotl adapter names the row of
+    the dataset before Axolotl shuffled it, and how the sample begins)."""
+    over = np.flatnonzero(lengths > token_budget)
+    worst = over[np.argsort(-lengths[over], kind="stable")][:3]
+    parts = []
+    for i in worst.tolist():
+        where = f"; {describe(i)}" if describe is not None else ""
+        parts.append(f"dataset index {i} ({int(lengths[i])} tokens{where})")
+    n = over.size
+    head = "1 sample is longer" if n == 1 else f"{n} samples are longer"
+    listed = parts[0] if n == 1 else "the longest: " + ", ".join(parts) + (", ..." if n > 3 else "")
+    return (
+        f"{head} than the token budget of {token_budget} tokens: {listed}. Raise fastqwen_token_budget, or set "
+        f"fastqwen_overlong: truncate|split (truncate keeps the first {token_budget} tokens, split trains on "
+        "every piece)."
     )
 
 
@@ -157,7 +169,7 @@ def _items(lengths: np.ndarray, token_budget: int, overlong: str):
         zeros = np.zeros(nonempty.size, dtype=np.int64)
         return nonempty, zeros, lens, np.zeros(nonempty.size, dtype=bool)
     if overlong == "error":
-        raise _overlong_error(lengths, token_budget)
+        raise ValueError(overlong_message(lengths, token_budget))
     if overlong == "truncate":
         stop = np.minimum(lens, token_budget)
         return nonempty, np.zeros_like(lens), stop, over

@@ -1,0 +1,54 @@
+"""The plugin's report, as written to `<output_dir>/fastqwen_report.json` and printed.
+
+Kept free of torch, transformers and Axolotl imports so that `python -m axolotl_fastqwen report`
+answers in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+REPORT_FILE = "fastqwen_report.json"
+
+
+def format_report(d: dict) -> str:
+    """The load-time table, from `PatchReport.to_dict()` (also as read back from the JSON file)."""
+    lines = [
+        f"axolotl_fastqwen: {d['family']} ({d['model_class']}) on {d['device']}, kernels={d['mode']}: "
+        f"{d['layers_patched']['gated_deltanet']} Gated DeltaNet + {d['layers_patched']['attention']} attention "
+        "layers patched",
+        f"  {'op':<22} {'backend':<16} {'self-check / why others were not used'}",
+    ]
+    for op, info in d["ops"].items():
+        detail = info["selfcheck"] or ("not self-checked (CPU)" if d["device"] == "cpu" else "")
+        if info["rejected"]:
+            detail = (detail + "; " if detail else "") + "not: " + "; ".join(info["rejected"])
+        lines.append(f"  {op:<22} {info['backend']:<16} {detail}")
+    for note in d["notes"]:
+        lines.append(f"  note: {note}")
+    if d["boundary_sources"]:
+        lines.append(f"  boundaries from: {', '.join(d['boundary_sources'])}")
+    versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)
+    lines.append(f"  versions: {versions}")
+    return "\n".join(lines)
+
+
+def format_packing(packing: dict) -> list[str]:
+    """The packing lines of a report: overlong handling, then one line per planned epoch."""
+    if not packing.get("active"):
+        return ["packing: not active (fastqwen_packing: false)"]
+    lines = []
+    for name in ("train", "eval"):
+        cut = packing.get(f"overlong_{name}")
+        if cut and cut.get("overlong_samples"):
+            n = cut["overlong_samples"]
+            what = (f"truncated, {cut['tokens_dropped']:,} tokens dropped" if cut["mode"] == "truncate"
+                    else f"split into {cut['pieces']} pieces")
+            lines.append(f"overlong ({name}): {n} sample{'s' if n != 1 else ''} ({cut['tokens_in_overlong']:,} "
+                         f"tokens) {what}")
+    for i, e in enumerate(packing["epochs"]):
+        lines.append(
+            f"packing, epoch {i}: {e['samples']:,} samples, {e['real_tokens']:,} tokens -> {e['bins']:,} rows of "
+            f"{packing['token_budget']} (lower bound {e['lower_bound']:,}), padding "
+            f"{100 * e['padding_fraction']:.1f}%, {e['reduction_vs_padded_pct']:.1f}% fewer steps than "
+            f"{e['padded_batches']:,} padded batches of {e['micro_batch_size']}"
+        )
+    return lines
