@@ -158,7 +158,7 @@ def _profile_path(args, setup, spec, optimizer):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     device, model = setup.device, setup.model
-    with installed(args.path, model, setup.family, device) as info:
+    with installed(args.path, model, setup.family, device, setup.dtype, bool(args.gc)) as info:
         for note in info["notes"]:
             log(f"[{args.path}] note: {note}")
         mbs = setup.micro_batch_size if spec.layout == "padded" else 1
