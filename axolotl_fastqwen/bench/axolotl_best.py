@@ -167,8 +167,11 @@ def _bound(module, key: str):
 
 @contextlib.contextmanager
 def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *, loss: str,
-                 gc: bool) -> Iterator[dict]:
-    """Install the path on `model` (the peft model); yields the record's info; undoes all on exit."""
+                 gc: bool, assume_cuda: bool = False) -> Iterator[dict]:
+    """Install the path on `model` (the peft model); yields the record's info; undoes all on exit.
+
+    `assume_cuda` (tests only): take the CUDA branches on a CPU model, to check that their set-up
+    applies and is undone; such a model cannot run a forward (the kernels are Triton)."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}")
     moe = family in MOE_FAMILIES
@@ -188,6 +191,7 @@ def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *
             info["notes"].append(f"stood in for Axolotl's imports (bench/axolotl_import.py): {'; '.join(stood_in)}")
         undo = Undo()
         setup = _Setup(model, base, family, device, dtype, cfg, mods, errors, undo, info, loss, moe)
+        setup.cuda = setup.cuda or assume_cuda
         try:
             setup.apply()
             info["components"] = [asdict(c) for c in setup.components]
@@ -469,7 +473,9 @@ class _Setup:
             experts_mod.register_scattermoe_experts()
             runtime_mod.configure_scattermoe_runtime(self.cfg)
             c.applied("registered 'scattermoe' in transformers' ExpertsInterface (and peft's ParamWrapper fast "
-                      "path for expert LoRA)")
+                      "path for expert LoRA); all undone after the path, except the aten.add / FSDP handlers it "
+                      "registers on torchao's NVFP4Tensor / MXTensor when torchao is installed (FP4 tensors only, "
+                      "which no path uses)")
 
         self.attempt(c, act)
 
@@ -575,6 +581,10 @@ class _Setup:
                                  "LoRA_MLP-fused")
             else:
                 c.refused(f"apply_lora_kernel_patches patched no module for it ({what})")
+        glu = next((c for c in self.components if c.key == "liger_glu_activation"), None)
+        if n_mlp and glu is not None and glu.status == "applied":
+            glu.effect.append(f"then, as in Axolotl with both flags on, lora_mlp_kernel rebinds the forward of those "
+                              f"{n_mlp} dense MLPs to LoRA_MLP (Liger's SwiGLU class stays for MLPs it does not match)")
 
 
 def _take_over(old: torch.nn.Module, new: torch.nn.Module) -> None:

@@ -1,9 +1,15 @@
 """`python -m axolotl_fastqwen profile`: where one path's step time goes.
 
 torch.profiler around N training steps (after warm-up) of one path; writes a Chrome trace and
-prints the top kernels by GPU time, launches per step, and the GPU's idle gaps (consecutive
-kernels further apart than --gap-us) with the CPU op that was running at the time: the host-side
-work (syncs, Python, launch overhead) that starves the GPU.
+prints the top kernels by GPU time, launches per step, GPU kernel time by category (GEMM,
+elementwise/copy, GDN, conv, attention, norms, loss, optimizer; MoE models add router and experts),
+and the GPU's idle gaps (consecutive kernels further apart than --gap-us) with the CPU op that was
+running at the time: the host-side work (syncs, Python, launch overhead) that starves the GPU.
+
+Categories come from kernel names alone (`CATEGORY_RULES`, first match wins): a heuristic, but
+one that reads the names the libraries give their kernels (fla's `chunk_*`, Liger's
+`liger_*`/`element_mul`, ScatterMoE's `scatter2scatter`, cuBLAS' `nvjet`/`gemm`, ...). What no rule
+matches is counted as "other" and listed, so a misfiled kernel can be seen.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import shutil
 import time
 
@@ -38,6 +45,56 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+# (category, regex on the lower-cased kernel name); first match wins. MoE-only categories first so
+# that ScatterMoE's / grouped-mm kernels are not counted as dense GEMMs or elementwise work.
+CATEGORY_RULES: tuple[tuple[str, str], ...] = (
+    ("optimizer", r"multi_tensor_apply|fused_adam|adamw|_adam_|foreach_.*(lerp|addcdiv|sqrt)"),
+    ("loss", r"cross_entropy|liger_cross|element_mul_kernel|cce_|lse_|nll_loss|log_softmax|logsumexp"),
+    ("experts", r"scatter2scatter|groupxty|group_bwd|scattermoe|grouped_mm|groupedgemm|grouped_gemm|"
+                r"ptr_array|histc|moe_|_experts|bincount|radixsort|sort_kernel|index_add|scatter_add"),
+    ("router", r"topk|softmax(?!.*(fmha|flash|attn|attention))"),
+    ("gdn", r"chunk_|solve_tril|recompute_w_u|wy_repr|l2norm|delta_rule|kkt|fused_recurrent|merge_16x16|"
+            r"chunk_local_cumsum"),
+    ("conv", r"causal_conv|conv1d|conv_depthwise|depthwise|convolution"),
+    ("attention", r"flash|fmha|attention|attn|sdpa|varlen|cutlass.*mha|_efficient_"),
+    ("norms", r"rms_norm|rmsnorm|layer_norm|layernorm|norm_fwd|norm_bwd|rms_norm_rope|_norm_kernel|"
+              r"gated_norm|norm_gated"),
+    ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|sm90_|sm80_|matmul|splitk|gemv|_mm_|addmm"),
+    ("elementwise/copy", r"elementwise|vectorized|copy|unrolled|reduce|fill|catarray|cat_|index|gather|"
+                         r"scatter|memcpy|memset|triu|tril|where|clamp|pow|mul|add|sigmoid|silu|exp|"
+                         r"cumsum|arange|embedding|masked|transpose|permute|compare|bitwise|cast|_to_"),
+)
+MOE_CATEGORIES = ("router", "experts")
+
+
+def categorize(name: str, moe: bool = True) -> str:
+    """The category of a kernel, from its name (see CATEGORY_RULES)."""
+    low = name.lower()
+    for category, pattern in CATEGORY_RULES:
+        if category in MOE_CATEGORIES and not moe:
+            continue
+        if re.search(pattern, low):
+            return category
+    return "other"
+
+
+def categories(by_name: dict[str, list[float]], steps: int, moe: bool) -> dict:
+    """GPU kernel time per step by category, with each category's top kernels."""
+    total = sum(sum(v) for v in by_name.values()) or 1.0
+    out: dict = {}
+    for name, durations in by_name.items():
+        c = out.setdefault(categorize(name, moe), {"ms_per_step": 0.0, "launches_per_step": 0.0, "kernels": []})
+        c["ms_per_step"] += sum(durations) / steps / 1000
+        c["launches_per_step"] += len(durations) / steps
+        c["kernels"].append((sum(durations), name))
+    for c in out.values():
+        c["share"] = round(c["ms_per_step"] * steps * 1000 / total, 4)
+        c["ms_per_step"] = round(c["ms_per_step"], 3)
+        c["launches_per_step"] = round(c["launches_per_step"], 1)
+        c["kernels"] = [n[:120] for _, n in sorted(c["kernels"], reverse=True)[:5]]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms_per_step"]))
+
+
 def _name(event) -> str:
     return measure._field(event, "name", "") or ""
 
@@ -46,8 +103,9 @@ def _kind(event) -> str:
     return str(measure._field(event, "activity_type", "") or "")
 
 
-def analyze(events, steps: int, gap_us: float, top: int) -> dict:
-    """Kernel table, launches per step and GPU idle gaps (attributed to the innermost CPU op)."""
+def analyze(events, steps: int, gap_us: float, top: int, moe: bool = False) -> dict:
+    """Kernel table, time by category, launches per step and GPU idle gaps (attributed to the
+    innermost CPU op)."""
     kernels = sorted((e for e in events if measure.is_kernel(e)), key=measure.start_us)
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for k in kernels:
@@ -63,6 +121,8 @@ def analyze(events, steps: int, gap_us: float, top: int) -> dict:
              "avg_us": round(sum(v) / len(v), 1), "share": round(sum(v) / gpu_us, 4) if gpu_us else 0.0}
             for n, v in table
         ],
+        "categories": categories(by_name, steps, moe),
+        "category_rules": {c: p for c, p in CATEGORY_RULES if moe or c not in MOE_CATEGORIES},
     }
     if not kernels:
         return out
@@ -130,6 +190,11 @@ def print_report(report: dict, device: torch.device) -> None:
     log(f"{'total ms':>10} {'share':>6} {'calls':>7} {'avg us':>9}  kernel")
     for k in report["top_kernels"]:
         log(f"{k['total_ms']:>10.2f} {k['share']:>6.1%} {k['calls']:>7} {k['avg_us']:>9.1f}  {k['name'][:110]}")
+    log("\nGPU kernel time by category (kernel-name rules, bench/profile.py CATEGORY_RULES):")
+    log(f"{'ms/step':>9} {'share':>6} {'launches':>9}  category  [top kernels]")
+    for name, c in report.get("categories", {}).items():
+        log(f"{c['ms_per_step']:>9.2f} {c['share']:>6.1%} {c['launches_per_step']:>9.0f}  {name:<17} "
+            f"[{'; '.join(k[:40] for k in c['kernels'][:3])}]")
     log(f"\nGPU idle gaps > {report['gap_threshold_us']:g} us: {report['idle_gaps_ms_per_step']} ms per step, "
         f"by the CPU op running at the time:")
     log(f"{'ms/step':>9} {'count':>6}  cpu op  [cuda runtime call]")
@@ -183,7 +248,8 @@ def _profile_path(args, setup, spec, optimizer):
 def _report(args, setup, spec, prof, wall: float, mbs: int) -> int:
     device = setup.device
     events = measure.kineto_events(prof)
-    report = analyze(events, args.steps, args.gap_us, args.top)
+    moe = bool(getattr(setup.config, "num_experts", 0))
+    report = analyze(events, args.steps, args.gap_us, args.top, moe=moe)
     report.update(path=args.path, steps=args.steps, wall_ms_per_step=round(wall / args.steps * 1000, 1),
                   unit="cuda_kernels" if device.type == "cuda" else "cpu_ops", model=setup.info,
                   micro_batch_size=mbs if spec.layout == "padded" else None)
