@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import importlib.util
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from ..families.base import unwrap
 from ..stock import MODELING_MODULES
 from . import cpu_fla
 from .axolotl_import import axolotl_modules
+from .common import PathSkipped
 from .restore import Undo, changed_in_module, snapshot_module
 
 LOSSES = ("liger", "cce")
@@ -174,14 +176,14 @@ def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *
     applies and is undone; such a model cannot run a forward (the kernels are Triton)."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}")
+    if importlib.util.find_spec("axolotl") is None:
+        raise PathSkipped("Axolotl is not installed")
     moe = family in MOE_FAMILIES
     base = unwrap(model)
     info: dict = {"notes": [], "components": []}
     with axolotl_modules(_modules_needed(family, loss, moe)) as (mods, stood_in, errors), \
             _checkpoint_dir(base.config, family) as checkpoint:
         if "axolotl.utils.dict" not in mods:
-            from .paths import PathSkipped
-
             raise PathSkipped(f"Axolotl does not import here: {errors.get('axolotl.utils.dict')}")
         cfg = best_config(family, loss, gc=gc, base_model=checkpoint, moe=moe)
         info["axolotl_config"] = {k: v for k, v in cfg.items() if k != "base_model"}

@@ -25,6 +25,7 @@ from .. import patch_model, unpatch_model
 from ..families.base import unwrap
 from ..stock import MODELING_MODULES, resolved_kernel, stock_torch_kernels
 from . import cpu_fla
+from .common import PathSkipped
 from .axolotl_best import MOE_FAMILIES, axolotl_best
 from .axolotl_import import import_axolotl_patch
 from .restore import Undo, changed_in_module
@@ -89,8 +90,6 @@ _AXOLOTL_PATCHES = {
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
 
-class PathSkipped(Exception):
-    """The path cannot run in this environment (not an error of the path itself)."""
 
 
 def parse_paths(text: str | None) -> list[str]:
@@ -127,6 +126,10 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     if name in REFERENCE_PATHS:
         loss = "cce" if name == "axolotl-best-cce" else "liger"
         with axolotl_best(model, family, device, dtype, loss=loss, gc=gc) as best:
+            cce = next((c for c in best["components"] if c["key"] == "cut_cross_entropy"), None)
+            if device.type == "cuda" and cce is not None and cce["status"] != "applied":
+                raise PathSkipped(f"cut_cross_entropy did not apply, so this variant would repeat axolotl-best "
+                                  f"without its loss: {cce['reason'][:400]}")
             info["notes"] += best["notes"]
             info["axolotl_components"] = best["components"]
             info["axolotl_config"] = best["axolotl_config"]

@@ -42,6 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs/fastqwen-profile", help="output folder (trace.json[.gz], profile.json)")
     p.add_argument("--gap-us", type=float, default=50.0, help="GPU idle gaps longer than this are reported")
     p.add_argument("--top", type=int, default=20, help="rows of the kernel / gap tables")
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="write profile.json only (a 64-layer trace is tens of MB even gzipped)")
     return p
 
 
@@ -259,17 +261,21 @@ def _report(args, setup, spec, prof, wall: float, mbs: int) -> int:
         report["launches_per_step"] = round(len(cpu_ops) / args.steps, 1)
         report["cpu_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
     trace = os.path.join(args.out, "trace.json")
-    prof.export_chrome_trace(trace)
-    if os.path.getsize(trace) > GZIP_ABOVE_BYTES:
-        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(trace)
-        trace += ".gz"
-    report["trace"] = os.path.basename(trace)
+    if args.trace:
+        prof.export_chrome_trace(trace)
+        if os.path.getsize(trace) > GZIP_ABOVE_BYTES:
+            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(trace)
+            trace += ".gz"
+    report["trace"] = os.path.basename(trace) if args.trace else None
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
     print_report(report, device)
-    log(f"\nwrote {trace} and {os.path.join(args.out, 'profile.json')} (open the trace in Perfetto)")
+    if args.trace:
+        log(f"\nwrote {trace} and {os.path.join(args.out, 'profile.json')} (open the trace in Perfetto)")
+    else:
+        log(f"\nwrote {os.path.join(args.out, 'profile.json')} (no trace: --no-trace)")
     return 0
 
 
