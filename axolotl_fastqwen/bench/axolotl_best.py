@@ -606,12 +606,3 @@ def _take_over(old: torch.nn.Module, new: torch.nn.Module) -> None:
         elif child is not None and any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
             raise KeyError(f"submodule {type(new).__name__}.{name} has no counterpart in {type(old).__name__}")
     new.train(old.training)
-
-
-def summary(components: list[dict]) -> str:
-    """One line for bench.md: applied / refused / n.a. keys."""
-    by = {"applied": [], "refused": [], "not applicable": []}
-    for c in components:
-        by.setdefault(c["status"], []).append(c["key"].split(" (")[0])
-    return "; ".join(f"{k}: {', '.join(v)}" for k, v in by.items() if v)
-
