@@ -1,12 +1,15 @@
-"""CPU smoke tests of `python -m axolotl_fastqwen bench|profile|doctor` on the tiny shape.
+"""CPU smoke tests of `python -m axolotl_fastqwen bench|profile|doctor` on the tiny shapes.
 
 The commands run in-process (imports dominate on 2 cores). On CPU the stock fla paths crash
 because transformers resolves fla whenever it imports: that is the failing path the run must
-record and survive.
+record and survive. Axolotl's paths run on CPU with fla's two Triton entry points stood in
+(bench/cpu_fla.py) and every Triton-only component refused; their GPU-only set-up branches are
+checked separately (`assume_cuda`: set up and undone, no forward).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -40,7 +43,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """All five paths, two timed steps each; Axolotl's class-level patch must be gone afterwards."""
+    """All paths, two timed steps each; Axolotl's class-level patches must be gone afterwards."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
     forwards = lambda: (mq.Qwen3_5GatedDeltaNet.forward, mq.Qwen3_5DecoderLayer.forward)  # noqa: E731
@@ -60,7 +63,8 @@ def test_bench_writes_complete_json(bench):
     assert rc == 0
     assert result["schema"] == "axolotl_fastqwen.bench/1" and result["partial"] is False
     assert [r["name"] for r in result["paths"]] == [
-        "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen"
+        "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
+        "axolotl-best", "axolotl-best-cce", "stock-moe-eager", "stock-moe-grouped-mm",
     ]
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
@@ -106,13 +110,203 @@ def test_a_failing_path_is_recorded_and_the_run_continues(bench):
     assert _path(result, "fastqwen")["status"] == "ok"  # ran after the failure
 
 
+HAS_AXOLOTL = importlib.util.find_spec("axolotl") is not None
+needs_axolotl = pytest.mark.skipif(not HAS_AXOLOTL, reason="Axolotl is not installed in this cell")
+
+
 def test_axolotl_path_is_recorded(bench):
     _, result, _ = bench
     r = _path(result, "axolotl-packing")
-    assert r["status"] in ("ok", "error", "skipped")
-    assert r["status"] == "skipped" or r.get("error") or r["calibration_loss"] > 0
-    if r["status"] != "skipped":
-        assert any("patch_qwen3_5_modeling_packing" in n for n in r["notes"])
+    if not HAS_AXOLOTL:
+        assert r["status"] == "skipped" and _path(result, "axolotl-best")["status"] == "skipped"
+        return
+    assert r["status"] == "ok", r.get("error")
+    assert any("patch_qwen3_5_modeling_packing" in n for n in r["notes"])
+    assert any("cpu_fla.py" in n for n in r["notes"])  # CPU: fla's Triton entry points stood in
+    stock = _path(result, "stock-torch-padded")
+    assert r["calibration_loss"] == pytest.approx(stock["calibration_loss"], rel=1e-4)
+
+
+def _components(record) -> dict:
+    return {c["key"].split(" (")[0] + (" (kernels)" if "per-module" in c["key"] else ""): c
+            for c in record["axolotl_components"]}
+
+
+@needs_axolotl
+def test_axolotl_best_runs_on_cpu_and_records_every_component(bench):
+    _, result, out = bench
+    stock = _path(result, "stock-torch-padded")
+    for name in ("axolotl-best", "axolotl-best-cce"):
+        r = _path(result, name)
+        assert r["status"] == "ok", r.get("error")
+        assert r["calibration_loss"] == pytest.approx(stock["calibration_loss"], rel=1e-4)
+        comps = _components(r)
+        for c in comps.values():
+            assert c["status"] in ("applied", "refused", "not applicable") and c["function"]
+            assert c["effect"] if c["status"] == "applied" else c["reason"]
+        assert comps["lora_qkv_kernel, lora_o_kernel"]["status"] == "applied"
+        assert comps["sample_packing"]["status"] == "applied"
+        assert comps["lora_qkv_kernel (kernels)"]["status"] == "applied"
+        assert comps["lora_o_kernel (kernels)"]["status"] == "applied"
+        for key in ("fused_attn_kernel", "lora_mlp_kernel (kernels)", "liger_rms_norm", "sdpa_varlen"):
+            assert comps[key]["status"] == "refused" and ("CUDA" in comps[key]["reason"]), key
+        assert comps["use_scattermoe"]["status"] == "not applicable"
+        assert r["axolotl_config"]["sample_packing"] is True
+    cce = _components(_path(result, "axolotl-best-cce"))
+    assert cce["cut_cross_entropy"]["status"] == "refused"
+    assert cce["liger_fused_linear_cross_entropy"]["status"] == "not applicable"
+    assert result["reference"]["path"] in ("axolotl-best", "axolotl-best-cce")
+    assert all(r.get("x_axolotl_best", 0) > 0 for r in result["paths"] if r["status"] == "ok")
+    md = (out / "bench.md").read_text()
+    assert "axolotl-best: Axolotl components" in md and "| x axolotl-best |" in md
+
+
+def test_moe_only_paths_skip_on_a_dense_shape(bench):
+    _, result, _ = bench
+    for name in ("stock-moe-eager", "stock-moe-grouped-mm"):
+        r = _path(result, name)
+        assert r["status"] == "skipped" and "dense" in r["error"]
+
+
+@needs_axolotl
+def test_axolotl_best_is_undone_and_the_plugin_path_after_it_is_unaffected():
+    """fastqwen before and after axolotl-best on the same model: identical losses, and the
+    model's modules, per-instance forwards, parameters and the modeling module as before."""
+    import importlib
+
+    from axolotl_fastqwen.bench import run
+    from axolotl_fastqwen.bench.restore import fingerprint
+    from axolotl_fastqwen.stock import MODELING_MODULES
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    args = run.make_parser().parse_args([*TINY[:-2], "--seed", "3", "--steps", "1", "--warmup", "0"])
+    setup = run.prepare(args, steps_per_path=2)
+    modeling = importlib.import_module(MODELING_MODULES["qwen3_5"])
+    before, sdpa = fingerprint(setup.model, [modeling]), ALL_ATTENTION_FUNCTIONS["sdpa"]
+    first = run.run_path(setup, "fastqwen")
+    best = run.run_path(setup, "axolotl-best")
+    assert best["status"] == "ok", best.get("error")
+    assert fingerprint(setup.model, [modeling]) == before and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
+    again = run.run_path(setup, "fastqwen")
+    assert first["status"] == again["status"] == "ok"
+    assert again["calibration_loss"] == first["calibration_loss"]
+    assert again["step_losses"] == first["step_losses"]
+    assert best["calibration_loss"] == pytest.approx(first["calibration_loss"], rel=1e-4)
+
+
+@needs_axolotl
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe", "tiny-next"])
+def test_axolotl_best_gpu_branches_apply_and_undo_fully(shape):
+    """The CUDA-only set-up (Liger classes and the model rebuilt with them, fused attention,
+    sdpa_varlen, ScatterMoE, the LoRA MLP kernel) applied on a CPU model, checked, and undone:
+    no forward runs (the kernels are Triton), so the GPU run is the first to execute them."""
+    import importlib
+
+    from peft import LoraConfig, get_peft_model
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+    from axolotl_fastqwen.bench.axolotl_best import axolotl_best
+    from axolotl_fastqwen.bench.restore import fingerprint
+    from axolotl_fastqwen.bench.shapes import lora_targets
+    from axolotl_fastqwen.stock import MODELING_MODULES
+
+    s = get_shape(shape)
+    model, _ = build_model(build_config(s, 4), s.family, torch.device("cpu"), torch.float32, seed=0)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(s.family)))
+    modeling = importlib.import_module(MODELING_MODULES[s.family])
+    before = fingerprint(model, [modeling])
+    sdpa, correct = ALL_ATTENTION_FUNCTIONS["sdpa"], PreTrainedModel.get_correct_experts_implementation
+    experts_impl = model.get_base_model().config._experts_implementation
+    with axolotl_best(model, s.family, torch.device("cpu"), torch.bfloat16, loss="liger", gc=False,
+                      assume_cuda=True) as info:
+        comps = {c["key"].split(" (")[0] + (" (kernels)" if "per-module" in c["key"] else ""): c
+                 for c in info["components"]}
+        status = {k: c["status"] for k, c in comps.items()}
+        assert status["liger_rms_norm"] == status["liger_fused_linear_cross_entropy"] == "applied"
+        assert status["(model construction with the patched classes)"] == "applied"
+        assert status["sdpa_varlen"] == "applied" and ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa
+        types = {type(m).__name__ for m in model.modules()}
+        assert any(t.startswith("LigerRMSNorm") for t in types)
+        if s.family == "qwen3_next":
+            assert status["fused_attn_kernel"] == "not applicable"
+            assert status["liger_glu_activation"] == "refused"  # would replace the experts (ScatterMoE)
+        else:
+            assert status["fused_attn_kernel"] == status["liger_glu_activation"] == "applied"
+            assert "FusedRMSNormGated" in types and "LigerSwiGLUMLP" in types
+        if s.family == "qwen3_5":
+            assert status["lora_mlp_kernel (kernels)"] == "applied"
+            assert status["use_scattermoe"] == "not applicable"
+        else:
+            assert status["use_scattermoe"] == status["experts_implementation: scattermoe"] == "applied"
+            assert model.get_base_model().config._experts_implementation == "scattermoe"
+            assert status["lora_mlp_kernel (kernels)"] == "not applicable"
+    assert fingerprint(model, [modeling]) == before
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa and "scattermoe" not in ALL_EXPERTS_FUNCTIONS
+    assert PreTrainedModel.get_correct_experts_implementation is correct
+    assert model.get_base_model().config._experts_implementation == experts_impl
+
+
+def test_parse_paths_letters_and_order():
+    from axolotl_fastqwen.bench.paths import EXECUTION_ORDER, parse_paths
+
+    assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
+    assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
+                                      "axolotl-best-cce"]
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-3:] == (
+        "axolotl-packing", "axolotl-best", "axolotl-best-cce")  # Axolotl's class-level patches last
+    with pytest.raises(ValueError, match="f=axolotl-best"):
+        parse_paths("z")
+
+
+def test_lora_targets_of_the_moe_shapes():
+    """35B-A3B: the shared expert's gate/up/down are LoRA-adapted, the routed experts are not;
+    Qwen3-Next: peft would turn gate/up/down into routed-expert LoRA, so they are left out, and
+    --lora-experts adds the routed experts as target_parameters."""
+    from peft import LoraConfig, get_peft_model
+
+    from axolotl_fastqwen.bench.shapes import lora_target_parameters, lora_targets
+
+    def adapted(shape, experts=False):
+        s = get_shape(shape)
+        model, _ = build_model(build_config(s, 4), s.family, torch.device("cpu"), torch.float32, seed=0)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(s.family),
+                         target_parameters=lora_target_parameters(s.family, experts) or None)
+        peft_model = get_peft_model(model, cfg)
+        return {n.split(".")[-2] + "." + n.split(".")[-1] if "lora_A" not in n else ""
+                for n, m in peft_model.named_modules() if hasattr(m, "lora_A")} - {""}
+
+    moe = adapted("tiny-moe")
+    assert {"shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+            "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj", "self_attn.q_proj"} <= moe
+    assert not any(name.endswith("experts") for name in moe)
+    nxt = adapted("tiny-next")
+    assert "linear_attn.in_proj_qkvz" in nxt and not any(name.endswith("experts") for name in nxt)
+    assert any(name.endswith("mlp.experts") for name in adapted("tiny-next", experts=True))
+    assert any(name.endswith("mlp.experts") for name in adapted("tiny-moe", experts=True))
+    with pytest.raises(ValueError, match="MoE"):
+        lora_target_parameters("qwen3_5", True)
+
+
+def test_budget_shares_and_reference_ratios():
+    from types import SimpleNamespace
+
+    from axolotl_fastqwen.bench.run import budget_skip, path_budget, reference_ratios
+
+    args = SimpleNamespace(max_path_seconds=150.0, max_total_seconds=None)
+    assert path_budget(args, 1000.0, 3) == 150.0
+    args.max_total_seconds = 480.0
+    assert path_budget(args, 60.0, 3) == 140.0 and path_budget(args, 60.0, 1) == 150.0
+    assert path_budget(args, 470.0, 2) == 5.0
+    assert budget_skip("fastqwen", 5.0)["status"] == "skipped"
+    records = [{"name": "axolotl-best", "status": "ok", "tokens_per_s": 100.0},
+               {"name": "axolotl-best-cce", "status": "ok", "tokens_per_s": 125.0},
+               {"name": "fastqwen", "status": "ok", "tokens_per_s": 150.0}, {"name": "stock-fla-padded"}]
+    ref = reference_ratios(records)
+    assert ref["path"] == "axolotl-best-cce" and [r.get("x_axolotl_best") for r in records] == [0.8, 1.0, 1.2, None]
+    assert reference_ratios([{"name": "fastqwen", "status": "ok", "tokens_per_s": 1.0}])["path"] is None
 
 
 def test_bench_runs_forwards_under_bf16_autocast_when_asked(tmp_path):
@@ -134,7 +328,7 @@ def test_axolotl_patch_imports_without_its_trainer_callback_dependencies():
     pytest.importorskip("axolotl")
     code = """
 import sys
-for name in ("evaluate", "datasets", "wandb", "trl", "bitsandbytes"):
+for name in ("evaluate", "datasets", "wandb", "trl", "bitsandbytes", "pydantic"):
     sys.modules[name] = None  # import raises, find_spec says absent: what a missing package does
 from axolotl_fastqwen.bench.axolotl_import import import_axolotl_patch
 module, stood_in = import_axolotl_patch("axolotl.monkeypatch.models.qwen3_5.modeling")
@@ -143,6 +337,15 @@ assert module.__file__.startswith(__import__("os").path.dirname(__import__("axol
 assert any("axolotl.utils.callbacks" in s and "evaluate" in s for s in stood_in), stood_in
 assert any("bitsandbytes" in s for s in stood_in), stood_in
 assert "axolotl.utils.callbacks" not in sys.modules
+# the GPU image has no pydantic either: Axolotl's Liger / kernels package __init__s need it
+from axolotl_fastqwen.bench.axolotl_import import axolotl_modules
+names = ["axolotl.integrations.liger.models.qwen3_5", "axolotl.integrations.kernels.libs.scattermoe_lora.experts",
+         "axolotl.monkeypatch.lora_kernels", "axolotl.monkeypatch.attention.sdpa_varlen"]
+with axolotl_modules(names) as (mods, stood, errors):
+    assert set(mods) == set(names), errors
+    assert any("axolotl.integrations.liger" in s and "pydantic" in s for s in stood), stood
+for name in ("axolotl.integrations.liger", "axolotl.integrations.kernels", "bitsandbytes"):
+    assert name not in sys.modules, name
 print("ok", stood_in)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -235,3 +438,32 @@ def test_gpu_gap_analysis_attributes_idle_time_to_the_running_cpu_op():
     (gap,) = report["idle_gaps"]
     assert gap["cpu_op"] == "aten::item" and gap["runtime_call"] == "cudaStreamSynchronize"
     assert gap["total_ms"] == pytest.approx(0.2)
+
+
+def test_kernel_time_by_category_splits_a_moe_step():
+    from axolotl_fastqwen.bench.profile import analyze, categorize
+
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "gemm",
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": "gdn",
+        "solve_tril_64x64_kernel": "gdn",
+        "causal_conv1d_fwd_kernel": "conv",
+        "pytorch_flash::flash_fwd_kernel": "attention",
+        "_rms_norm_forward_kernel": "norms",
+        "liger_cross_entropy_kernel": "loss",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>": "elementwise/copy",
+        "void at::native::direct_copy_kernel_cuda": "elementwise/copy",
+        "_scatter2scatter": "experts",
+        "void at::native::sbtopk::gatherTopK<float>": "router",
+    }
+    for name, category in names.items():
+        assert categorize(name, moe=True) == category, name
+    assert categorize("void at::native::sbtopk::gatherTopK<float>", moe=False) != "router"
+    events = [_Event(n, "kernel", 100 * i, 10 * (i + 1)) for i, n in enumerate(names)]
+    report = analyze(events, steps=2, gap_us=1e9, top=5, moe=True)
+    cats = report["categories"]
+    assert set(cats) == set(names.values())
+    assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0, abs=1e-3)
+    assert cats["gdn"]["launches_per_step"] == 1.0 and cats["experts"]["kernels"] == ["_scatter2scatter"]
+    assert "router" in report["category_rules"]

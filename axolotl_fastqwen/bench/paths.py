@@ -1,9 +1,15 @@
-"""The five training paths the benchmark compares, each a (batch layout, kernel set-up) pair.
+"""The training paths the benchmark compares, each a (batch layout, kernel set-up) pair.
 
 Set-ups are context managers around the same model instance and are fully undone on exit:
-stock-torch swaps transformers' kernel globals back to its PyTorch fallbacks, Axolotl's patch is
-class-level and its classes and module globals are restored, fastqwen is `patch_model` /
-`unpatch_model`. Axolotl runs last anyway, so a restore bug could not leak into another path.
+stock-torch swaps transformers' kernel globals back to its PyTorch fallbacks (the MoE variants
+also set transformers' experts implementation), Axolotl's patches are class-level and their
+classes, module globals, registries and per-instance attributes are restored (`restore.Undo`),
+fastqwen is `patch_model` / `unpatch_model`. Axolotl's paths run last anyway, so a restore bug
+could not leak into another path; tests check the restore all the same.
+
+`axolotl-best` (`axolotl_best.py`) is the reference of every speed claim: Axolotl 0.21 configured
+for speed (its packing patch, LoRA kernels, fused attention, Liger; ScatterMoE on MoE models);
+`axolotl-best-cce` is the same with cut-cross-entropy as the loss.
 """
 
 from __future__ import annotations
@@ -16,8 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import patch_model, unpatch_model
+from ..families.base import unwrap
 from ..stock import MODELING_MODULES, resolved_kernel, stock_torch_kernels
+from . import cpu_fla
+from .common import PathSkipped
+from .axolotl_best import MOE_FAMILIES, axolotl_best
 from .axolotl_import import import_axolotl_patch
+from .restore import Undo, changed_in_module
 
 
 @dataclass(frozen=True)
@@ -41,10 +52,35 @@ PATHS: dict[str, PathSpec] = {
             "Axolotl 0.21's Qwen3.5 packing patch + multipack rows (position_ids restart, no start masking)",
         ),
         PathSpec("fastqwen", "packed", "patch_model(model) + PackedBatchSampler / PackedCollator static rows"),
+        PathSpec(
+            "axolotl-best", "multipack",
+            "Axolotl 0.21 set for speed: packing patch + multipack rows, LoRA kernels, fused attention, sdpa_varlen, "
+            "Liger norms/GLU/fused linear CE (MoE: + ScatterMoE), by Axolotl's own functions",
+        ),
+        PathSpec("axolotl-best-cce", "multipack", "axolotl-best with cut_cross_entropy instead of Liger's fused linear CE"),
+        PathSpec(
+            "stock-moe-eager", "padded",
+            "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation eager, padded batches",
+        ),
+        PathSpec(
+            "stock-moe-grouped-mm", "padded",
+            "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation grouped_mm, padded batches",
+        ),
     )
 }
-# Axolotl's patch is class-level: run it last.
-EXECUTION_ORDER = ("stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "fastqwen", "axolotl-packing")
+# `--paths` letters: a-e as before, then the new paths
+LETTERS = {
+    "a": "stock-torch-padded", "b": "stock-fla-padded", "c": "stock-fla-flattening", "d": "axolotl-packing",
+    "e": "fastqwen", "f": "axolotl-best", "g": "axolotl-best-cce", "h": "stock-moe-eager", "i": "stock-moe-grouped-mm",
+}
+# Axolotl's patches are class-level: run them last.
+EXECUTION_ORDER = (
+    "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
+    "fastqwen", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
+)
+# every speed claim is a ratio to the faster of these (same run, model and stream)
+REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
+EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm"}
 
 _AXOLOTL_PATCHES = {
     "qwen3_5": ("axolotl.monkeypatch.models.qwen3_5.modeling", "patch_qwen3_5_modeling_packing"),
@@ -54,20 +90,18 @@ _AXOLOTL_PATCHES = {
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
 
-class PathSkipped(Exception):
-    """The path cannot run in this environment (not an error of the path itself)."""
 
 
 def parse_paths(text: str | None) -> list[str]:
-    """`--paths a,b` (names or their letters a-e) -> names in execution order."""
+    """`--paths a,f` (names or their letters, see LETTERS) -> names in execution order."""
     if not text or text == "all":
         return list(EXECUTION_ORDER)
-    letters = dict(zip("abcde", PATHS))
     wanted = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
-        name = letters.get(item, item)
+        name = LETTERS.get(item, item)
         if name not in PATHS:
-            raise ValueError(f"unknown path {item!r}; known: {', '.join(PATHS)} (or a-e)")
+            known = ", ".join(f"{k}={v}" for k, v in LETTERS.items())
+            raise ValueError(f"unknown path {item!r}; known: {known}")
         wanted.append(name)
     return [p for p in EXECUTION_ORDER if p in wanted]
 
@@ -77,9 +111,30 @@ def stock_kernels(family: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def installed(name: str, model: torch.nn.Module, family: str, device: torch.device) -> Iterator[dict]:
+def installed(name: str, model: torch.nn.Module, family: str, device: torch.device,
+              dtype: torch.dtype = torch.float32, gc: bool = False) -> Iterator[dict]:
     """Set the model up for path `name`; yields an info dict the path's record keeps."""
     info: dict = {"notes": []}
+    if name in EXPERTS_PATHS:
+        if family not in MOE_FAMILIES:
+            raise PathSkipped(f"{family} is a dense model: no experts")
+        with stock_torch_kernels(family), experts_implementation(model, EXPERTS_PATHS[name]) as how:
+            info["stock_kernels"] = stock_kernels(family)
+            info["notes"].append(f"experts_implementation {EXPERTS_PATHS[name]!r} ({how})")
+            yield info
+        return
+    if name in REFERENCE_PATHS:
+        loss = "cce" if name == "axolotl-best-cce" else "liger"
+        with axolotl_best(model, family, device, dtype, loss=loss, gc=gc) as best:
+            cce = next((c for c in best["components"] if c["key"] == "cut_cross_entropy"), None)
+            if device.type == "cuda" and cce is not None and cce["status"] != "applied":
+                raise PathSkipped(f"cut_cross_entropy did not apply, so this variant would repeat axolotl-best "
+                                  f"without its loss: {cce['reason'][:400]}")
+            info["notes"] += best["notes"]
+            info["axolotl_components"] = best["components"]
+            info["axolotl_config"] = best["axolotl_config"]
+            yield info
+        return
     if name == "stock-torch-padded":
         with stock_torch_kernels(family):
             info["stock_kernels"] = stock_kernels(family)
@@ -103,8 +158,8 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         yield info
         return
     if name == "axolotl-packing":
-        with axolotl_patch(family) as note:
-            info["notes"].append(note)
+        with axolotl_patch(family, device) as notes:
+            info["notes"] += notes
             yield info
         return
     if name == "fastqwen":
@@ -134,7 +189,29 @@ def _selfcheck_now(report, model) -> None:
 
 
 @contextlib.contextmanager
-def axolotl_patch(family: str) -> Iterator[str]:
+def experts_implementation(model: torch.nn.Module, impl: str) -> Iterator[str]:
+    """Set transformers' experts implementation of the model for the block; restore it after.
+
+    transformers' `@use_experts_implementation` forward reads `config._experts_implementation` at
+    every call. `PreTrainedModel.set_experts_implementation` (what Axolotl's loader calls) checks
+    the name and sets it; a transformers without it gets the config field its decorator reads."""
+    base = unwrap(model)
+    config = base.config
+    before = vars(config).get("_experts_implementation_internal")
+    if hasattr(base, "set_experts_implementation"):
+        base.set_experts_implementation(impl)
+        how = f"model.set_experts_implementation({impl!r}); was {before!r}"
+    else:
+        config._experts_implementation = impl
+        how = f"config._experts_implementation = {impl!r}; was {before!r}"
+    try:
+        yield how
+    finally:
+        config._experts_implementation_internal = before
+
+
+@contextlib.contextmanager
+def axolotl_patch(family: str, device: torch.device | None = None) -> Iterator[list[str]]:
     """Apply Axolotl's class-level packing patch; restore the modeling module exactly afterwards."""
     if family not in _AXOLOTL_PATCHES:
         raise PathSkipped(f"Axolotl has no packing patch for {family}")
@@ -145,46 +222,20 @@ def axolotl_patch(family: str) -> Iterator[str]:
     except Exception as exc:  # a partial Axolotl install (GPU machine) is expected
         raise PathSkipped(f"import {module_name}.{fn_name} failed: {type(exc).__name__}: {str(exc)[:300]}") from None
     modeling = importlib.import_module(MODELING_MODULES[family])
-    saved = _snapshot(modeling)
+    undo = Undo()
+    saved = undo.module(modeling)
     try:
+        notes = []
+        if device is not None and device.type != "cuda":
+            note = cpu_fla.install(undo, patch_module, family)
+            if note:
+                notes.append(note)
         apply()
-        changed = _changed(modeling, saved)
+        changed = changed_in_module(modeling, saved)
         note = f"Axolotl {fn_name}() applied (class-level; changed {', '.join(changed) or 'nothing'}; restored after)"
         if stood_in:
             note += f"; stood in during Axolotl's import (bench/axolotl_import.py): {'; '.join(stood_in)}"
-        yield note
+        yield [note, *notes]
     finally:
-        _restore(modeling, saved)
+        undo.restore()
 
-
-def _snapshot(module) -> dict:
-    classes = {
-        obj: dict(vars(obj))
-        for obj in vars(module).values()
-        if isinstance(obj, type) and obj.__module__ == module.__name__
-    }
-    return {"globals": dict(vars(module)), "classes": classes}
-
-
-def _changed(module, saved: dict) -> list[str]:
-    out = [k for k, v in vars(module).items() if saved["globals"].get(k, object()) is not v and not k.startswith("__")]
-    for cls, attrs in saved["classes"].items():
-        out += [f"{cls.__name__}.{k}" for k, v in vars(cls).items() if attrs.get(k, object()) is not v]
-    return out
-
-
-def _restore(module, saved: dict) -> None:
-    for cls, attrs in saved["classes"].items():
-        for key in [k for k in vars(cls) if k not in attrs]:
-            delattr(cls, key)
-        for key, value in attrs.items():
-            if key in ("__dict__", "__weakref__"):
-                continue
-            if vars(cls).get(key, object()) is not value:
-                setattr(cls, key, value)
-    namespace = vars(module)
-    for key in [k for k in namespace if k not in saved["globals"]]:
-        del namespace[key]
-    for key, value in saved["globals"].items():
-        if namespace.get(key, object()) is not value:
-            namespace[key] = value

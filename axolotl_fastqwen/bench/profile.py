@@ -1,9 +1,15 @@
 """`python -m axolotl_fastqwen profile`: where one path's step time goes.
 
 torch.profiler around N training steps (after warm-up) of one path; writes a Chrome trace and
-prints the top kernels by GPU time, launches per step, and the GPU's idle gaps (consecutive
-kernels further apart than --gap-us) with the CPU op that was running at the time: the host-side
-work (syncs, Python, launch overhead) that starves the GPU.
+prints the top kernels by GPU time, launches per step, GPU kernel time by category (GEMM,
+elementwise/copy, GDN, conv, attention, norms, loss, optimizer; MoE models add router and experts),
+and the GPU's idle gaps (consecutive kernels further apart than --gap-us) with the CPU op that was
+running at the time: the host-side work (syncs, Python, launch overhead) that starves the GPU.
+
+Categories come from kernel names alone (`CATEGORY_RULES`, first match wins): a heuristic, but
+one that reads the names the libraries give their kernels (fla's `chunk_*`, Liger's
+`liger_*`/`element_mul`, ScatterMoE's `scatter2scatter`, cuBLAS' `nvjet`/`gemm`, ...). What no rule
+matches is counted as "other" and listed, so a misfiled kernel can be seen.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import shutil
 import time
 
@@ -35,7 +42,59 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs/fastqwen-profile", help="output folder (trace.json[.gz], profile.json)")
     p.add_argument("--gap-us", type=float, default=50.0, help="GPU idle gaps longer than this are reported")
     p.add_argument("--top", type=int, default=20, help="rows of the kernel / gap tables")
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="write profile.json only (a 64-layer trace is tens of MB even gzipped)")
     return p
+
+
+# (category, regex on the lower-cased kernel name); first match wins. MoE-only categories first so
+# that ScatterMoE's / grouped-mm kernels are not counted as dense GEMMs or elementwise work.
+CATEGORY_RULES: tuple[tuple[str, str], ...] = (
+    ("optimizer", r"multi_tensor_apply|fused_adam|adamw|_adam_|foreach_.*(lerp|addcdiv|sqrt)"),
+    ("loss", r"cross_entropy|liger_cross|element_mul_kernel|cce_|lse_|nll_loss|log_softmax|logsumexp"),
+    ("experts", r"scatter2scatter|groupxty|group_bwd|scattermoe|grouped_mm|groupedgemm|grouped_gemm|"
+                r"ptr_array|histc|moe_|_experts|bincount|radixsort|sort_kernel|index_add|scatter_add"),
+    ("router", r"topk|softmax(?!.*(fmha|flash|attn|attention))"),
+    ("gdn", r"chunk_|solve_tril|recompute_w_u|wy_repr|l2norm|delta_rule|kkt|fused_recurrent|merge_16x16|"
+            r"chunk_local_cumsum"),
+    ("conv", r"causal_conv|conv1d|conv_depthwise|depthwise|convolution"),
+    ("attention", r"flash|fmha|attention|attn|sdpa|varlen|cutlass.*mha|_efficient_"),
+    ("norms", r"rms_norm|rmsnorm|layer_norm|layernorm|norm_fwd|norm_bwd|rms_norm_rope|_norm_kernel|"
+              r"gated_norm|norm_gated"),
+    ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|sm90_|sm80_|matmul|splitk|gemv|_mm_|addmm"),
+    ("elementwise/copy", r"elementwise|vectorized|copy|unrolled|reduce|fill|catarray|cat_|index|gather|"
+                         r"scatter|memcpy|memset|triu|tril|where|clamp|pow|mul|add|sigmoid|silu|exp|"
+                         r"cumsum|arange|embedding|masked|transpose|permute|compare|bitwise|cast|_to_"),
+)
+MOE_CATEGORIES = ("router", "experts")
+
+
+def categorize(name: str, moe: bool = True) -> str:
+    """The category of a kernel, from its name (see CATEGORY_RULES)."""
+    low = name.lower()
+    for category, pattern in CATEGORY_RULES:
+        if category in MOE_CATEGORIES and not moe:
+            continue
+        if re.search(pattern, low):
+            return category
+    return "other"
+
+
+def categories(by_name: dict[str, list[float]], steps: int, moe: bool) -> dict:
+    """GPU kernel time per step by category, with each category's top kernels."""
+    total = sum(sum(v) for v in by_name.values()) or 1.0
+    out: dict = {}
+    for name, durations in by_name.items():
+        c = out.setdefault(categorize(name, moe), {"ms_per_step": 0.0, "launches_per_step": 0.0, "kernels": []})
+        c["ms_per_step"] += sum(durations) / steps / 1000
+        c["launches_per_step"] += len(durations) / steps
+        c["kernels"].append((sum(durations), name))
+    for c in out.values():
+        c["share"] = round(c["ms_per_step"] * steps * 1000 / total, 4)
+        c["ms_per_step"] = round(c["ms_per_step"], 3)
+        c["launches_per_step"] = round(c["launches_per_step"], 1)
+        c["kernels"] = [n[:120] for _, n in sorted(c["kernels"], reverse=True)[:5]]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms_per_step"]))
 
 
 def _name(event) -> str:
@@ -46,8 +105,9 @@ def _kind(event) -> str:
     return str(measure._field(event, "activity_type", "") or "")
 
 
-def analyze(events, steps: int, gap_us: float, top: int) -> dict:
-    """Kernel table, launches per step and GPU idle gaps (attributed to the innermost CPU op)."""
+def analyze(events, steps: int, gap_us: float, top: int, moe: bool = False) -> dict:
+    """Kernel table, time by category, launches per step and GPU idle gaps (attributed to the
+    innermost CPU op)."""
     kernels = sorted((e for e in events if measure.is_kernel(e)), key=measure.start_us)
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for k in kernels:
@@ -63,6 +123,8 @@ def analyze(events, steps: int, gap_us: float, top: int) -> dict:
              "avg_us": round(sum(v) / len(v), 1), "share": round(sum(v) / gpu_us, 4) if gpu_us else 0.0}
             for n, v in table
         ],
+        "categories": categories(by_name, steps, moe),
+        "category_rules": {c: p for c, p in CATEGORY_RULES if moe or c not in MOE_CATEGORIES},
     }
     if not kernels:
         return out
@@ -130,6 +192,11 @@ def print_report(report: dict, device: torch.device) -> None:
     log(f"{'total ms':>10} {'share':>6} {'calls':>7} {'avg us':>9}  kernel")
     for k in report["top_kernels"]:
         log(f"{k['total_ms']:>10.2f} {k['share']:>6.1%} {k['calls']:>7} {k['avg_us']:>9.1f}  {k['name'][:110]}")
+    log("\nGPU kernel time by category (kernel-name rules, bench/profile.py CATEGORY_RULES):")
+    log(f"{'ms/step':>9} {'share':>6} {'launches':>9}  category  [top kernels]")
+    for name, c in report.get("categories", {}).items():
+        log(f"{c['ms_per_step']:>9.2f} {c['share']:>6.1%} {c['launches_per_step']:>9.0f}  {name:<17} "
+            f"[{'; '.join(k[:40] for k in c['kernels'][:3])}]")
     log(f"\nGPU idle gaps > {report['gap_threshold_us']:g} us: {report['idle_gaps_ms_per_step']} ms per step, "
         f"by the CPU op running at the time:")
     log(f"{'ms/step':>9} {'count':>6}  cpu op  [cuda runtime call]")
@@ -158,7 +225,7 @@ def _profile_path(args, setup, spec, optimizer):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     device, model = setup.device, setup.model
-    with installed(args.path, model, setup.family, device) as info:
+    with installed(args.path, model, setup.family, device, setup.dtype, bool(args.gc)) as info:
         for note in info["notes"]:
             log(f"[{args.path}] note: {note}")
         mbs = setup.micro_batch_size if spec.layout == "padded" else 1
@@ -183,7 +250,8 @@ def _profile_path(args, setup, spec, optimizer):
 def _report(args, setup, spec, prof, wall: float, mbs: int) -> int:
     device = setup.device
     events = measure.kineto_events(prof)
-    report = analyze(events, args.steps, args.gap_us, args.top)
+    moe = bool(getattr(setup.config, "num_experts", 0))
+    report = analyze(events, args.steps, args.gap_us, args.top, moe=moe)
     report.update(path=args.path, steps=args.steps, wall_ms_per_step=round(wall / args.steps * 1000, 1),
                   unit="cuda_kernels" if device.type == "cuda" else "cpu_ops", model=setup.info,
                   micro_batch_size=mbs if spec.layout == "padded" else None)
@@ -193,17 +261,21 @@ def _report(args, setup, spec, prof, wall: float, mbs: int) -> int:
         report["launches_per_step"] = round(len(cpu_ops) / args.steps, 1)
         report["cpu_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
     trace = os.path.join(args.out, "trace.json")
-    prof.export_chrome_trace(trace)
-    if os.path.getsize(trace) > GZIP_ABOVE_BYTES:
-        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(trace)
-        trace += ".gz"
-    report["trace"] = os.path.basename(trace)
+    if args.trace:
+        prof.export_chrome_trace(trace)
+        if os.path.getsize(trace) > GZIP_ABOVE_BYTES:
+            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(trace)
+            trace += ".gz"
+    report["trace"] = os.path.basename(trace) if args.trace else None
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
     print_report(report, device)
-    log(f"\nwrote {trace} and {os.path.join(args.out, 'profile.json')} (open the trace in Perfetto)")
+    if args.trace:
+        log(f"\nwrote {trace} and {os.path.join(args.out, 'profile.json')} (open the trace in Perfetto)")
+    else:
+        log(f"\nwrote {os.path.join(args.out, 'profile.json')} (no trace: --no-trace)")
     return 0
 
 

@@ -24,9 +24,9 @@ import torch
 
 from . import data, measure
 from .measure import TRITON
-from .paths import PATHS, PathSkipped, installed, parse_paths
+from .paths import LETTERS, PATHS, REFERENCE_PATHS, PathSkipped, installed, parse_paths
 from .shapes import DEFAULT_SHAPE, SHAPES, build_config, build_model, get_shape, init_weights_, linear_params
-from .shapes import lora_targets, matmul_params_per_token
+from .shapes import lora_target_parameters, lora_targets, matmul_params_per_token
 
 SCHEMA = "axolotl_fastqwen.bench/1"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -49,6 +49,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--full", dest="full", action="store_true", help="full fine-tune (AdamW on every weight)")
     p.set_defaults(full=False)
     p.add_argument("--gc", action="store_true", help="gradient checkpointing (non-reentrant)")
+    p.add_argument("--lora-experts", action="store_true",
+                   help="MoE shapes: also LoRA on the routed experts' 3D weights (peft target_parameters "
+                   "mlp.experts.gate_up_proj / down_proj)")
     p.add_argument("--budget", type=int, default=8192, help="tokens per packed row (multiple of 64)")
     p.add_argument(
         "--micro-batch-size", type=int, default=None,
@@ -74,10 +77,16 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="axolotl-fastqwen bench", description=__doc__.split("\n")[0])
     add_common_args(p)
-    p.add_argument("--paths", default="all", help="comma list of path names (or letters a-e); default all")
+    p.add_argument("--paths", default="all",
+                   help="comma list of path names or letters: " + ", ".join(f"{k}={v}" for k, v in LETTERS.items())
+                   + "; default all (MoE-only paths skip themselves on dense shapes)")
     p.add_argument("--out", default="outputs/fastqwen-bench", help="output folder (bench.json, bench.md, bench.png)")
     p.add_argument("--max-path-seconds", type=float, default=150.0,
-                   help="stop a path's timed steps after this long (>= 1 timed step); recorded as truncated")
+                   help="stop a path's warm-up / timed steps after this long (>= 1 timed step); recorded as truncated")
+    p.add_argument("--max-total-seconds", type=float, default=None,
+                   help="wall-clock budget of the whole run from its start: each path gets at most an equal share "
+                   "of what is left (and --max-path-seconds); a path that cannot start in time is skipped and "
+                   "recorded. Set it under the machine's per-command limit so the run ends on its own")
     p.add_argument("--no-oom-retry", dest="oom_retry", action="store_false",
                    help="padded paths: do not retry with half the micro batch after an out-of-memory")
     return p
@@ -153,6 +162,7 @@ def prepare(args, steps_per_path: int) -> Setup:
     guard = fla_guard_decision(args, config, device, dtype)
     dense_linear = linear_params(model)
     lora_params = 0
+    target_parameters = [] if args.full else lora_target_parameters(shape.family, args.lora_experts)
     if args.full:
         trainable = [p for p in model.parameters()]
     else:
@@ -160,9 +170,9 @@ def prepare(args, steps_per_path: int) -> Setup:
 
         for p in model.parameters():
             p.requires_grad_(False)
-        model = get_peft_model(
-            model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets(shape.family))
-        )
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets(shape.family),
+                          target_parameters=target_parameters or None)
+        model = get_peft_model(model, lora)
         trainable = [p for p in model.parameters() if p.requires_grad]
         lora_params = sum(p.numel() for p in trainable)
     if args.gc:
@@ -190,12 +200,18 @@ def prepare(args, steps_per_path: int) -> Setup:
         "build_seconds": round(build_s, 2),
         "dtype": str(dtype).replace("torch.", ""),
         "finetune": "full" if args.full else "lora",
-        "lora": None if args.full else {"r": 16, "alpha": 32, "targets": lora_targets(shape.family)},
+        "lora": None if args.full else {"r": 16, "alpha": 32, "targets": lora_targets(shape.family),
+                                        "target_parameters": target_parameters},
         "gradient_checkpointing": bool(args.gc),
         "attn_implementation": config._attn_implementation,
         "fla_hopper_guard": guard,
         "autocast": autocast,
     }
+    experts = getattr(config, "num_experts", 0) or 0
+    if experts:
+        from ..families.base import unwrap
+
+        info["experts_implementation_at_build"] = unwrap(model).config._experts_implementation
     return Setup(args, device, dtype, shape.family, config, model, trainable, workload, mbs, matmul, lora_params,
                  peak, autocast, info)
 
@@ -289,7 +305,11 @@ def build_batches(setup: Setup, layout: str, n: int, mbs: int) -> tuple[list[dic
     return batches, lengths, calib
 
 
-def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float) -> None:
+def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float, limit: float,
+                 progress=lambda: None) -> None:
+    """One path: calibration, warm-up, a profiled step, timed steps; `limit` seconds from `started`
+    cut the warm-up and the timed steps (>= 1 timed step); `progress()` is called after each
+    stage so a killed run leaves a partial record."""
     args, device, model = setup.args, setup.device, setup.model
     spec = PATHS[name]
     n_total = args.warmup + 1 + args.steps
@@ -298,10 +318,16 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
     optimizer = setup.optimizer()
     measure.free_memory(device)
     counters0 = (TRITON.snapshot(), measure.dynamo_snapshot())
-    with installed(name, model, setup.family, device) as info:
+    with installed(name, model, setup.family, device, setup.dtype, bool(args.gc)) as info:
         record["notes"] += info["notes"]
-        if "stock_kernels" in info:
-            record["stock_kernels"] = info["stock_kernels"]
+        for key in ("stock_kernels", "axolotl_components", "axolotl_config"):
+            if key in info:
+                record[key] = info[key]
+        if "experts_implementation_at_build" in setup.info:
+            from ..families.base import unwrap
+
+            record["experts_implementation"] = unwrap(model).config._experts_implementation
+        record["setup_seconds"] = round(time.perf_counter() - started, 2)
         batches, lengths, calib = build_batches(setup, spec.layout, n_total, mbs)
         if spec.layout == "multipack":
             first = setup.workload.tokens(setup.workload.bins[0][0])
@@ -313,6 +339,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         record["calibration_seconds"] = round(time.perf_counter() - t, 2)
         log(f"[{name}] calibration loss {record['calibration_loss']:.6f} over {record['calibration_targets']} "
             f"targets ({record['calibration_seconds']} s)")
+        progress()
 
         def step(k: int, optimizer=optimizer) -> torch.Tensor:
             return train_step(model, optimizer, data.to_device(batches[k], device), setup.amp)
@@ -323,8 +350,10 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
             warm.append(seconds)
             losses.append(loss)
             log(f"[{name}] warm-up {i + 1}/{args.warmup}: {seconds:.2f} s, loss {loss:.4f}")
-            if time.perf_counter() - started > args.max_path_seconds and i + 1 < args.warmup:
-                record["notes"].append(f"warm-up cut to {i + 1} steps (--max-path-seconds)")
+            record["warmup_seconds"] = [round(x, 3) for x in warm]
+            progress()
+            if time.perf_counter() - started > limit and i + 1 < args.warmup:
+                record["notes"].append(f"warm-up cut to {i + 1} steps (path budget {limit:.0f} s)")
                 break
         counters1 = (TRITON.snapshot(), measure.dynamo_snapshot())
         w = len(warm)
@@ -348,8 +377,8 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
             flops_model += f["model"]
             flops_hw += f["hardware"]
             log(f"[{name}] step {j + 1}/{args.steps}: {seconds:.3f} s, {tokens[-1]} tokens, loss {loss:.4f}")
-            if time.perf_counter() - started > args.max_path_seconds and j + 1 < args.steps:
-                record["truncated"] = f"after {j + 1} timed steps (--max-path-seconds {args.max_path_seconds:g})"
+            if time.perf_counter() - started > limit and j + 1 < args.steps:
+                record["truncated"] = f"after {j + 1} timed steps (path budget {limit:.0f} s)"
                 log(f"[{name}] {record['truncated']}")
                 break
         counters2 = (TRITON.snapshot(), measure.dynamo_snapshot())
@@ -395,17 +424,22 @@ def _timed(fn, device) -> tuple[float, float]:
     return time.perf_counter() - start, float(loss)
 
 
-def run_path(setup: Setup, name: str) -> dict:
-    """Measure one path; never raises (errors, OOMs and skips are recorded)."""
+def run_path(setup: Setup, name: str, limit: float | None = None, record: dict | None = None,
+             progress=lambda: None) -> dict:
+    """Measure one path within `limit` seconds (default --max-path-seconds); never raises (errors,
+    OOMs and skips are recorded). `record` (filled in place) lets the caller write it mid-path."""
     spec = PATHS[name]
-    record = {"name": name, "layout": spec.layout, "summary": spec.summary, "status": "ok", "notes": [],
-              "attempts": []}
+    limit = setup.args.max_path_seconds if limit is None else limit
+    record = {} if record is None else record
+    record.update({"name": name, "layout": spec.layout, "summary": spec.summary, "status": "running", "notes": [],
+                   "attempts": [], "budget_seconds": round(limit, 1)})
     mbs = setup.micro_batch_size if spec.layout == "padded" else 1
     started = time.perf_counter()
-    log(f"\n===== {name}: {spec.summary}")
+    log(f"\n===== {name}: {spec.summary} (budget {limit:.0f} s)")
     while True:
         try:
-            measure_path(setup, name, mbs, record, started)
+            measure_path(setup, name, mbs, record, started, limit, progress)
+            record["status"] = "ok"
             break
         except PathSkipped as exc:
             record.update(status="skipped", error=str(exc))
@@ -422,7 +456,8 @@ def run_path(setup: Setup, name: str) -> dict:
                 p.grad = None
             measure.free_memory(setup.device)
             log(f"[{name}] {'OUT OF MEMORY' if oom else 'ERROR'}: {message[:500]}")
-            if oom and spec.layout == "padded" and setup.args.oom_retry and mbs > 1:
+            if oom and spec.layout == "padded" and setup.args.oom_retry and mbs > 1 \
+                    and time.perf_counter() - started < limit:
                 mbs //= 2
                 log(f"[{name}] retrying with micro batch size {mbs}")
                 continue
@@ -435,6 +470,39 @@ def run_path(setup: Setup, name: str) -> dict:
         p.grad = None
     measure.free_memory(setup.device)
     return record
+
+
+MIN_PATH_SECONDS = 20.0  # a path given less than this by --max-total-seconds is skipped, not started
+
+
+def path_budget(args, elapsed: float, paths_left: int) -> float | None:
+    """Seconds for the next path: --max-path-seconds, or under --max-total-seconds an equal share of
+    what is left (paths that finish early leave more to the later ones). None: no budget at all."""
+    if args.max_total_seconds is None:
+        return args.max_path_seconds
+    left = args.max_total_seconds - elapsed
+    return min(args.max_path_seconds, left / max(1, paths_left))
+
+
+def budget_skip(name: str, limit: float) -> dict:
+    spec = PATHS[name]
+    return {"name": name, "layout": spec.layout, "summary": spec.summary, "status": "skipped",
+            "error": f"not started: {max(limit, 0):.0f} s of --max-total-seconds left for it (< {MIN_PATH_SECONDS:g} s)",
+            "notes": [], "attempts": [], "launches": None}
+
+
+def reference_ratios(records: list[dict]) -> dict:
+    """Every path's tokens/s as a ratio to the faster axolotl-best variant of the same run."""
+    ok = [r for r in records if r["name"] in REFERENCE_PATHS and r.get("status") == "ok" and r.get("tokens_per_s")]
+    if not ok:
+        return {"path": None, "tokens_per_s": None,
+                "note": "no axolotl-best variant ran to completion: no ratios (run path f and/or g)"}
+    ref = max(ok, key=lambda r: r["tokens_per_s"])
+    for r in records:
+        if r.get("tokens_per_s"):
+            r["x_axolotl_best"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
+    return {"path": ref["name"], "tokens_per_s": ref["tokens_per_s"],
+            "rule": "the faster of axolotl-best / axolotl-best-cce in this run (same process, model and stream)"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,9 +548,9 @@ def markdown(result: dict) -> str:
         f"Stream: {wl['length_distribution']}; packed rows of {wl['budget']} tokens; padded batches of "
         f"{wl['micro_batch_size']} sequences ({wl['micro_batch_size_rule']}).",
         "",
-        "| path | layout | status | tokens/s | step ms (median) | launches / step | GPU busy | MFU (HFU) "
-        "| peak GiB | calib. loss (rel. diff) | after warm-up: recompiles / autotunes / compiles |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| path | layout | status | tokens/s | x axolotl-best | step ms (median) | launches / step | GPU busy "
+        "| MFU (HFU) | peak GiB | calib. loss (rel. diff) | after warm-up: recompiles / autotunes / compiles |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["paths"]:
         launches = r.get("launches") or {}
@@ -501,6 +569,7 @@ def markdown(result: dict) -> str:
         mfu = f"{r['mfu']:.1%} ({r['hfu']:.1%})" if r.get("mfu") is not None else "-"
         lines.append(
             f"| {r['name']} | {r['layout']} | {status} | {_fmt(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_fmt(r.get('x_axolotl_best'), '.2f')} "
             f"| {_fmt(r.get('step_time_median_s') and r['step_time_median_s'] * 1000, ',.1f')} "
             f"| {_fmt(count, ',')}{unit if count is not None else ''} | {busy} | {mfu} "
             f"| {_fmt(r.get('peak_memory_gib'), '.1f')} | {calib} | {after} |"
@@ -515,6 +584,17 @@ def markdown(result: dict) -> str:
         "",
         f"MFU: {result['flops']['formula']}",
     ]
+    ref = result.get("reference") or {}
+    if ref:
+        lines += ["", f"Speed reference: {ref.get('path') or '-'} ({ref.get('rule') or ref.get('note')})."]
+    for r in result["paths"]:
+        comps = r.get("axolotl_components")
+        if not comps:
+            continue
+        lines += ["", f"{r['name']}: Axolotl components", "", "| component | status | how / why |", "|---|---|---|"]
+        for c in comps:
+            why = "; ".join(c["effect"]) if c["status"] == "applied" else c["reason"]
+            lines.append(f"| {c['key']} | {c['status']} | `{c['function']}`: {why.replace('|', '/')} |")
     notes = [f"- {r['name']}: {r['error'][:300]}" for r in result["paths"] if r.get("error")]
     notes += [f"- {r['name']}: {n}" for r in result["paths"] for n in r.get("notes", [])]
     notes += [f"- {n}" for n in result.get("notes", [])]
@@ -556,7 +636,7 @@ def plot(result: dict, path: str) -> str:
 def write_outputs(result: dict, out: str, final: bool) -> None:
     os.makedirs(out, exist_ok=True)
     result["partial"] = not final
-    result["paths"] = sorted(result["paths"], key=lambda r: list(PATHS).index(r["name"]))
+    result["paths"].sort(key=lambda r: list(PATHS).index(r["name"]))
     if final:
         result["png"] = plot(result, os.path.join(out, "bench.png"))
         if result["png"] != "written":
@@ -587,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     start = time.time()
+    start_perf = time.perf_counter()
     setup = prepare(args, steps_per_path=args.warmup + 1 + args.steps)
     w = setup.workload
     result = {
@@ -622,11 +703,27 @@ def main(argv: list[str] | None = None) -> int:
         result["notes"].append("CPU run: launches are CPU operator events, GPU time and peak memory are n/a, "
                                "MFU is relative to a CPU fp32 matmul (not meaningful)")
     log(f"[setup] stream: {w.describe()}; padded micro batch {setup.micro_batch_size}; paths: {', '.join(names)}")
-    for name in names:
-        result["paths"].append(run_path(setup, name))
-        result["calibration"] = compare_calibration(result["paths"], setup.dtype)
-        write_outputs(result, args.out, final=False)
+    run_started = time.perf_counter()
+    setup_seconds = run_started - start_perf
+    result["setup_seconds"] = round(setup_seconds, 1)
+    for k, name in enumerate(names):
+        limit = path_budget(args, time.perf_counter() - start_perf, len(names) - k)
+        if limit is not None and limit < MIN_PATH_SECONDS:
+            result["paths"].append(budget_skip(name, limit))
+            log(f"\n===== {name}: skipped, {limit:.0f} s of --max-total-seconds left for it")
+            write_outputs(result, args.out, final=False)
+            continue
+        record: dict = {}
+        result["paths"].append(record)
+
+        def progress(result=result):
+            result["calibration"] = compare_calibration(result["paths"], setup.dtype)
+            write_outputs(result, args.out, final=False)
+
+        run_path(setup, name, limit=limit, record=record, progress=progress)
+        progress()
     result["calibration"] = compare_calibration(result["paths"], setup.dtype)
+    result["reference"] = reference_ratios(result["paths"])
     result["wall_seconds"] = round(time.time() - start, 1)
     write_outputs(result, args.out, final=True)
     png = ", bench.png" if result["png"] == "written" else ""

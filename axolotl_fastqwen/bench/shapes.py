@@ -210,9 +210,29 @@ def build_model(config, family: str, device: torch.device, dtype: torch.dtype, s
 
 
 def lora_targets(family: str) -> list[str]:
-    """The projections the brief's LoRA adapts; Qwen3-Next fuses q|k|v|z into `in_proj_qkvz`."""
-    common = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj"]
-    return common + (["in_proj_qkvz"] if family == "qwen3_next" else ["in_proj_qkv", "in_proj_z"])
+    """The projections the brief's LoRA adapts (peft `target_modules`): attention q/k/v/o, the GDN
+    projections and the MLP (MoE: the shared expert), as in the examples/ configs.
+
+    qwen3_5 / qwen3_5_moe: `gate_proj` / `up_proj` / `down_proj` are the dense MLP / the shared
+    expert (the routed experts are 3D parameters that `target_modules` does not reach).
+    qwen3_next: Qwen3-Next fuses q|k|v|z into `in_proj_qkvz`; and for model_type qwen3_next peft
+    0.21 rewrites gate/up/down_proj (even `shared_expert.gate_proj`) into LoRA on the routed
+    experts' 3D parameters (its v4 -> v5 MoE conversion), leaving the shared expert bare: so they
+    are left out here (`--lora-experts` adds the routed experts explicitly).
+    """
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj"]
+    if family == "qwen3_next":
+        return attention + ["in_proj_qkvz"]
+    return attention + ["gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z"]
+
+
+def lora_target_parameters(family: str, experts: bool) -> list[str]:
+    """peft `target_parameters` for LoRA on the routed experts' 3D weights (`--lora-experts`)."""
+    if not experts:
+        return []
+    if family not in ("qwen3_5_moe", "qwen3_next"):
+        raise ValueError(f"--lora-experts needs an MoE shape; {family} has no routed experts")
+    return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def matmul_params_per_token(config) -> dict[str, int]:
