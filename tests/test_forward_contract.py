@@ -313,3 +313,44 @@ def test_a_step_with_no_trainable_token_gives_zero_loss_and_zero_gradients(num_i
     assert g and all(torch.isfinite(t).all() and not t.any() for t in g.values())
     context = model.get_base_model().__dict__["_fastqwen_patch"]["context"]
     assert context.warn_empty_forwards() == 1
+
+
+# ---- Axolotl's fused LoRA projections inside the patched layers -------------------------------
+
+
+def test_axolotl_fused_lora_projections_compose_exactly():
+    """`lora_qkv_kernel` / `lora_o_kernel` attach fused LoRA autograd nodes to the attention and
+    Gated DeltaNet modules; the patched layers call them. Against stock peft (no Axolotl kernels)
+    on each sequence alone: same logits, loss and adapter gradients. (Its MLP kernel is Triton:
+    GPU test.)"""
+    pytest.importorskip("axolotl")
+    from peft import LoraConfig, get_peft_model
+
+    from axolotl.monkeypatch.lora_kernels import apply_lora_kernel_patches
+    from axolotl.utils.dict import DictDefault
+
+    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"]
+    model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                             init_lora_weights=False, lora_dropout=0.0))
+    seqs = sequences(model.config.vocab_size)
+    with stock_torch_kernels("qwen3_5"):
+        model.zero_grad(set_to_none=True)
+        alone_loss = 0.0
+        for s in seqs:
+            out = model(input_ids=s[None], labels=s[None], num_items_in_batch=torch.tensor(1))
+            out.loss.backward()
+            alone_loss += float(out.loss)
+        alone_grads = grads(model)
+    apply_lora_kernel_patches(model, DictDefault(lora_qkv_kernel=True, lora_o_kernel=True))
+    base = model.get_base_model()
+    calls = []
+    gdn, attn = base.model.layers[0].linear_attn, base.model.layers[3].self_attn
+    for module, name in ((gdn, "apply_in_proj_fused"), (gdn, "apply_out_proj"), (attn, "apply_qkv"), (attn, "apply_o")):
+        fn = getattr(module, name)
+        setattr(module, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    patch_model(model)
+    loss, ours = loss_and_grads(model, **packed_batch(seqs), num_items_in_batch=torch.tensor(1))
+    assert set(calls) == {"apply_in_proj_fused", "apply_out_proj", "apply_qkv", "apply_o"}
+    assert abs(float(loss) - alone_loss) <= TOL * alone_loss
+    assert_grads_close(ours, alone_grads)

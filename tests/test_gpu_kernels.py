@@ -202,3 +202,55 @@ def test_selfcheck_runs_on_first_forward_and_is_reported(gpu_record):
             continue  # torch-chunked, the reference itself: nothing to check
         info = d["ops"][op]
         assert info["fallback"] or (info["selfcheck"] and "rel. error" in info["selfcheck"]), (op, info)
+
+
+@pytest.mark.parametrize("num_items", [None, 0])
+def test_liger_loss_of_a_step_with_no_trainable_token_is_zero_not_nan(num_items, gpu_record):
+    """Every label -100 (assistant turns truncated away), and the Trainer's count 0: the loss is a
+    finite 0 and the hidden-state gradient exactly 0 (stock's ForCausalLMLoss gives NaN)."""
+    if not availability.has_liger():
+        pytest.skip("liger-kernel is not installed")
+    T, H, V = 512, 1024, 40_000
+    hidden = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * H**-0.5
+    targets = torch.full((1, T), -100, device="cuda")
+    n = None if num_items is None else torch.tensor(num_items, device="cuda")
+    loss = liger_linear_cross_entropy(hidden, weight, targets, num_items_in_batch=n)
+    loss.backward()
+    gpu_record({"test": "liger_zero_token_step", "num_items_in_batch": num_items, "loss": float(loss),
+                "grad_abs_max": float(hidden.grad.abs().max())})
+    assert torch.isfinite(loss) and float(loss) == 0.0
+    assert torch.isfinite(hidden.grad).all() and not hidden.grad.any()
+
+
+def test_axolotl_fused_lora_projections_run_inside_the_patched_layers(gpu_record):
+    """Axolotl's lora_qkv_kernel / lora_o_kernel / lora_mlp_kernel attached to a peft 27B slice:
+    the patched packed row (which calls Axolotl's fused projections) against stock peft on each
+    sequence alone, bf16, the model-level tolerance."""
+    pytest.importorskip("axolotl")
+    from peft import LoraConfig, get_peft_model
+
+    from axolotl_fastqwen.bench.axolotl_import import import_axolotl_patch
+    from axolotl.utils.dict import DictDefault
+
+    lora_kernels, stood_in = import_axolotl_patch("axolotl.monkeypatch.lora_kernels")
+    model = _model_27b_slice().to(torch.bfloat16)
+    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets,
+                                             init_lora_weights=False))
+    ids, batch = _packed_batch()
+    amp = torch.autocast("cuda", dtype=torch.bfloat16)  # as the Trainer runs `bf16: true`
+    with torch.no_grad(), amp:
+        alone = torch.cat([model(input_ids=s[None].cuda()).logits[0].float() for s in ids])
+    lora_kernels.apply_lora_kernel_patches(model, DictDefault(lora_qkv_kernel=True, lora_o_kernel=True,
+                                                              lora_mlp_kernel=True))
+    gdn = model.get_base_model().model.layers[0].linear_attn
+    assert hasattr(gdn, "apply_in_proj_fused") and hasattr(gdn, "apply_out_proj")
+    patch_model(model)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0].float()
+    err = _rel(packed, alone)
+    gpu_record({"test": "axolotl_fused_lora_inside_patched_layers", "logits_rel_err": err, "tolerance": MODEL_TOL,
+                "stood_in": stood_in})
+    assert err <= MODEL_TOL

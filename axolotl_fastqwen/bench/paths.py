@@ -53,6 +53,11 @@ PATHS: dict[str, PathSpec] = {
         ),
         PathSpec("fastqwen", "packed", "patch_model(model) + PackedBatchSampler / PackedCollator static rows"),
         PathSpec(
+            "fastqwen-lora-kernels", "packed",
+            "fastqwen with Axolotl's fused LoRA kernels composed (lora_qkv_kernel, lora_o_kernel, lora_mlp_kernel: "
+            "the plugin's layers call them), as the plugin line added to axolotl-best's YAML gives",
+        ),
+        PathSpec(
             "axolotl-best", "multipack",
             "Axolotl 0.21 set for speed: packing patch + multipack rows, LoRA kernels, fused attention, sdpa_varlen, "
             "Liger norms/GLU/fused linear CE (MoE: + ScatterMoE), by Axolotl's own functions",
@@ -72,11 +77,12 @@ PATHS: dict[str, PathSpec] = {
 LETTERS = {
     "a": "stock-torch-padded", "b": "stock-fla-padded", "c": "stock-fla-flattening", "d": "axolotl-packing",
     "e": "fastqwen", "f": "axolotl-best", "g": "axolotl-best-cce", "h": "stock-moe-eager", "i": "stock-moe-grouped-mm",
+    "j": "fastqwen-lora-kernels",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
-    "fastqwen", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
+    "fastqwen", "fastqwen-lora-kernels", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
 )
 # every speed claim is a ratio to the faster of these (same run, model and stream)
 REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
@@ -162,7 +168,10 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             info["notes"] += notes
             yield info
         return
-    if name == "fastqwen":
+    if name in ("fastqwen", "fastqwen-lora-kernels"):
+        undo = Undo()
+        if name == "fastqwen-lora-kernels":
+            info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         report = patch_model(model)
         info["patch_report"] = report
         try:
@@ -173,8 +182,32 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         finally:
             info["patch_report"] = report.to_dict()  # after the first forward: includes the self-check
             unpatch_model(model)
+            undo.restore()
         return
     raise ValueError(f"unknown path {name!r}")
+
+
+def _attach_axolotl_lora_kernels(model, device: torch.device, undo: Undo) -> str:
+    """Axolotl's own `apply_lora_kernel_patches` on the peft model (per-instance, undone after)."""
+    if not hasattr(model, "peft_config"):
+        raise PathSkipped("Axolotl's LoRA kernels need a LoRA (peft) model: this run is a full fine-tune")
+    try:
+        lora_kernels, stood_in = import_axolotl_patch("axolotl.monkeypatch.lora_kernels")
+        from axolotl.utils.dict import DictDefault
+    except Exception as exc:  # a partial Axolotl install
+        raise PathSkipped(f"Axolotl's LoRA kernels do not import: {type(exc).__name__}: {str(exc)[:300]}") from None
+    mlp = device.type == "cuda"  # its SwiGLU is Triton
+    undo.instances(model)
+    lora_kernels.apply_lora_kernel_patches(
+        model, DictDefault(lora_qkv_kernel=True, lora_o_kernel=True, lora_mlp_kernel=mlp))
+    fused = sorted({k for m in unwrap(model).modules() for k in ("apply_in_proj_fused", "apply_out_proj") if k in vars(m)})
+    note = (f"Axolotl apply_lora_kernel_patches(lora_qkv_kernel, lora_o_kernel{', lora_mlp_kernel' if mlp else ''}) "
+            f"attached; GDN: {', '.join(fused) or 'none'}")
+    if not mlp:
+        note += "; lora_mlp_kernel left out (Triton SwiGLU, CUDA only)"
+    if stood_in:
+        note += f"; stood in during Axolotl's import: {'; '.join(stood_in)}"
+    return note
 
 
 def _selfcheck_now(report, model) -> None:
