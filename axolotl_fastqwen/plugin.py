@@ -22,12 +22,29 @@ from transformers import TrainerCallback
 from .args import token_budget
 from .families.base import UnsupportedModelError
 from .kernels import KernelUnavailableError
+from .families.base import unwrap
 from .patching import patch_model
 
 LOG = logging.getLogger("axolotl_fastqwen")
 
 NAMES = frozenset({"axolotl_fastqwen", "axolotl_fastqwen.FastQwenPlugin", "axolotl_fastqwen:FastQwenPlugin"})
 REPORT_FILE = "fastqwen_report.json"
+
+
+def loss_forward_replaced(model) -> bool:
+    """Whether something (Liger, Cut Cross-Entropy) replaced the loaded model class's forward, i.e.
+    its code no longer lives in the file that defines the class. Checked on the class, the level
+    at which those patches work; the instance may be wrapped (peft) or not yet patched by us."""
+    import inspect
+
+    cls = type(unwrap(model))
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    try:
+        defined_in = inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return True  # cannot tell: trust the config key, as before
+    return code is None or os.path.realpath(code.co_filename) != os.path.realpath(defined_in or "")
 
 
 def named_in(cfg) -> bool:
@@ -95,6 +112,16 @@ class FastQwenPlugin(BasePlugin):
             return
         fused_ce = bool(cfg.get("fastqwen_fused_ce", True))
         delegated = [k for k in ("cut_cross_entropy", "liger_fused_linear_cross_entropy") if cfg.get(k)]
+        not_applied = None
+        if delegated and not loss_forward_replaced(model):
+            # e.g. Liger's Qwen3.5 patch replaces Qwen3_5ForCausalLM.forward only: on the
+            # vision-language checkpoints (Qwen3_5ForConditionalGeneration) the key does nothing
+            not_applied = (
+                f"{delegated[0]} is set but left {type(unwrap(model)).__name__}.forward stock (logits "
+                "materialised): our fused cross-entropy stays on"
+            )
+            LOG.warning("axolotl_fastqwen: %s", not_applied)
+            delegated = []
         if delegated:
             fused_ce = False  # that plugin already fuses the loss; ours steps aside
         self.report = patch_model(
@@ -105,6 +132,8 @@ class FastQwenPlugin(BasePlugin):
         )
         if delegated:
             self.report.fused_cross_entropy = f"delegated to Axolotl's {delegated[0]}"
+        if not_applied:
+            self.report.kernels.notes.append(not_applied)
 
     # ---- data ------------------------------------------------------------------------------
     def get_collator_cls_and_kwargs(self, cfg, is_eval=False):
