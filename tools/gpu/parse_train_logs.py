@@ -6,7 +6,8 @@ RUNS_DIR holds one folder per run (the driver's layout): ``train.log`` (stdout +
 ``axolotl train``), ``train_probe.json`` (tools/gpu/train_probe.py), optionally
 ``fastqwen_report.json``, ``config.yml`` and ``run.json`` (exit code, wall time, attempt).
 
-From the log lines (Axolotl prints the Trainer's log dicts, values as strings): per step ``loss``,
+From the Trainer's log dicts (the probe's ``on_log`` copies, full precision; else the printed log
+lines, whose values Axolotl rounds to 4 significant digits): per step ``loss``,
 ``grad_norm``, ``learning_rate``, ``tokens/total`` (cumulative token slots), ``tokens/trainable``,
 ``tokens/train_per_sec_per_gpu``, ``memory/*``; at the end ``train_runtime``,
 ``train_samples_per_second``, ``train_steps_per_second``, ``train_loss``. Derived:
@@ -88,6 +89,13 @@ def summarise_run(run_dir: Path, warmup: int) -> dict:
     if (run_dir / "fastqwen_report.json").exists():
         report = json.loads((run_dir / "fastqwen_report.json").read_text())
     steps, final = parsed["steps"], parsed["final"] or {}
+    # The same dicts at full precision, as the probe's on_log got them (the printed lines keep 4 digits)
+    plogs = probe.get("logs") or []
+    exact = [d for d in plogs if "loss" in d and "learning_rate" in d]
+    source = "log lines"
+    if exact and len(exact) >= len(steps):
+        steps, source = exact, "Trainer logs via the probe's on_log (full precision)"
+    final = next((d for d in plogs if "train_runtime" in d), None) or final
     psteps = probe.get("steps", [])
     runtime = final.get("train_runtime")
     out = {
@@ -97,6 +105,7 @@ def summarise_run(run_dir: Path, warmup: int) -> dict:
         "attempts": meta.get("attempts"),
         "config": meta.get("config"),
         "steps_logged": len(steps),
+        "loss_source": source,
         "train_runtime_s": runtime,
         "train_samples_per_second": final.get("train_samples_per_second"),
         "train_steps_per_second": final.get("train_steps_per_second"),
