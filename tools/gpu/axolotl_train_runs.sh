@@ -17,8 +17,9 @@
 #
 # Knobs (env): RUNS, LAYERS (8), STEPS (60), BUDGET (8192), GC (0), SEED (42), ASSETS (/tmp/fq27b),
 # WORK (/tmp/fq-runs), DEADLINE (560 s of this script's wall time: no run starts with < MIN_RUN
-# (150 s) left; each run's timeout is its fair share of what is left, at most RUN_TIMEOUT (400 s),
-# and a retry gets what the first attempt left over), RETRY_SAFE (1),
+# (150 s) left; each run's, and a retry's, timeout is its fair share of what is left, at most
+# RUN_TIMEOUT (400 s)), RETRY_SAFE (1; once a -safe retry succeeds, later axolotl/fastqwen runs
+# use -safe too, so both keep the same switches),
 # SET (extra make_train_config --set items, space separated, applied to every run), TAG,
 # CPU_TEST=1 (tiny widths on CPU, CUDA-only switches off: the CPU rehearsal of this script).
 set -uo pipefail
@@ -80,7 +81,9 @@ one_run() {  # one_run NAME TIMEOUT -> exit code; leaves $WORK/NAME/{config.yml,
 first_step_seen() { grep -q '"first_step_end"' "$WORK/$1/train_probe.json" 2>/dev/null || grep -q "{'loss'" "$WORK/$1/train.log" 2>/dev/null; }
 
 set -- $RUNS
+force_safe=0  # once one of axolotl/fastqwen needed its -safe variant, the other runs it too (same switches)
 for run in $RUNS; do
+  [ $force_safe = 1 ] && [[ "$run" == axolotl || "$run" == fastqwen ]] && run="$run-safe"
   left=$((DEADLINE - (SECONDS - START)))
   if [ $left -lt "$MIN_RUN" ]; then log "skip $run: ${left}s left"; shift; continue; fi
   share=$(( (left - 25) / $# ))  # the runs still to come each keep a fair share of the time
@@ -92,8 +95,9 @@ for run in $RUNS; do
     left=$((DEADLINE - (SECONDS - START)))
     if [ $left -ge "$MIN_RUN" ]; then
       log "retry $run without fused_attn_kernel / liger_rms_norm_gated"
-      limit=$(( left - 25 < RUN_TIMEOUT ? left - 25 : RUN_TIMEOUT ))
-      one_run "$run-safe" "$limit"
+      share=$(( (left - 25) / ($# + 1) )); [ $share -lt "$MIN_RUN" ] && share=$MIN_RUN
+      limit=$(( share < RUN_TIMEOUT ? share : RUN_TIMEOUT ))
+      one_run "$run-safe" "$limit" && force_safe=1
     fi
   fi
 done

@@ -8,7 +8,9 @@ Runs (--run):
   for Qwen3.5's full-attention layers (``fused_attn_kernel``), and Liger (``LigerPlugin`` with
   ``liger_rms_norm``, ``liger_rms_norm_gated`` (Qwen3.5's GDN output norm),
   ``liger_glu_activation``, ``liger_fused_linear_cross_entropy``). Attention: sdpa (no flash-attn
-  on the image).
+  on the image). Plus ``fla_hopper_guard.LiftFlaHopperGuardPlugin``: fla raises in its gated GDN
+  backward on Hopper with the image's Triton 3.6 (fla#640; Axolotl's own torch >= 2.13 brings
+  Triton >= 3.7.1, where it does not); our plugin lifts that guard itself after its self-check.
 * ``fastqwen``: the same file with ``axolotl_fastqwen.FastQwenPlugin`` added and
   ``sample_packing: false`` (the plugin's packer replaces multipack; everything else identical).
 * ``qlora``: ``examples/qwen3_5-27b-qlora.yml`` as it is (plugin on, 4-bit NF4, adamw_bnb_8bit).
@@ -39,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 FASTQWEN = "axolotl_fastqwen.FastQwenPlugin"
 LIGER = "axolotl.integrations.liger.LigerPlugin"
 PROBE = "train_probe.TrainProbePlugin"
+FLA_GUARD = "fla_hopper_guard.LiftFlaHopperGuardPlugin"
 
 AXOLOTL_FAST = {
     "sample_packing": True,
@@ -90,6 +93,8 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
         if base == "fastqwen":
             cfg["plugins"] = [FASTQWEN] + cfg["plugins"]  # "the same file with our plugin line added"
             cfg["sample_packing"] = False
+        else:  # fla refuses its gated backward on Hopper + Triton 3.6 (fla#640); ours lifts it itself
+            cfg["plugins"] = [FLA_GUARD] + cfg["plugins"]
     if run.endswith("-safe"):
         for key in RISKY:
             cfg.pop(key, None)

@@ -63,10 +63,16 @@ def parse_log(text: str) -> dict:
             evals.append(d)
     for i, d in enumerate(steps, 1):
         d.setdefault("step", i)
+    notes = []
+    for line in text.splitlines():
+        if re.search(r"fla_hopper_guard: |Hopper guard|is set but left .* stock", line) and len(notes) < 4:
+            note = line.strip()[:300]
+            if note not in notes:
+                notes.append(note)
     errors = [line.strip()[:300] for line in text.splitlines()
               if re.search(r"(Error|Exception|Traceback|OutOfMemory|Killed)", line)
               and not re.search(r"(WARNING|warn|Ignoring)", line)][-8:]
-    return {"steps": steps, "final": final, "evals": evals, "error_lines": errors}
+    return {"steps": steps, "final": final, "evals": evals, "error_lines": errors, "notes": notes}
 
 
 def _median(values):
@@ -113,6 +119,7 @@ def summarise_run(run_dir: Path, warmup: int) -> dict:
         "loss": [s.get("loss") for s in steps],
         "grad_norm": [s.get("grad_norm") for s in steps],
         "learning_rate": [s.get("learning_rate") for s in steps],
+        "notes": parsed["notes"],
         "error_lines": parsed["error_lines"] if meta.get("exit_code") not in (0, None) or not final else [],
     }
     total_slots = next((s["tokens/total"] for s in reversed(steps) if isinstance(s.get("tokens/total"), (int, float))), None)
@@ -194,6 +201,8 @@ def markdown(runs: list[dict], title: str) -> str:
             lines.append(f"- loss, mean of the last {k} logged steps: fastqwen {sum(lf[-k:]) / k:.4f}, "
                          f"Axolotl {sum(la[-k:]) / k:.4f} (first step {lf[0]:.4f} / {la[0]:.4f})")
     for r in runs:
+        if r.get("notes"):
+            lines += ["", f"## {r['run']}: notes from the log", "", *[f"- `{n}`" for n in r["notes"]]]
         if r.get("fastqwen_report"):
             lines += ["", f"## {r['run']}: axolotl_fastqwen load report", "", "```",
                       json.dumps(r["fastqwen_report"], indent=1)[:3000], "```"]
