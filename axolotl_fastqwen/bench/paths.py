@@ -64,6 +64,11 @@ PATHS: dict[str, PathSpec] = {
         ),
         PathSpec("axolotl-best-cce", "multipack", "axolotl-best with cut_cross_entropy instead of Liger's fused linear CE"),
         PathSpec(
+            "axolotl-best+fastqwen", "packed",
+            "axolotl-best's set-up with the plugin line added: Axolotl's kernels stay where they compose (LoRA kernels, "
+            "Liger norms/GLU, ScatterMoE), the plugin's layers, loss and packer replace the rest",
+        ),
+        PathSpec(
             "stock-moe-eager", "padded",
             "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation eager, padded batches",
         ),
@@ -77,12 +82,12 @@ PATHS: dict[str, PathSpec] = {
 LETTERS = {
     "a": "stock-torch-padded", "b": "stock-fla-padded", "c": "stock-fla-flattening", "d": "axolotl-packing",
     "e": "fastqwen", "f": "axolotl-best", "g": "axolotl-best-cce", "h": "stock-moe-eager", "i": "stock-moe-grouped-mm",
-    "j": "fastqwen-lora-kernels",
+    "j": "fastqwen-lora-kernels", "k": "axolotl-best+fastqwen",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
-    "fastqwen", "fastqwen-lora-kernels", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
+    "fastqwen", "fastqwen-lora-kernels", "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen",
 )
 # every speed claim is a ratio to the faster of these (same run, model and stream)
 REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
@@ -172,19 +177,35 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         undo = Undo()
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
-        report = patch_model(model)
-        info["patch_report"] = report
         try:
-            if device.type == "cuda":
-                _selfcheck_now(report, model)
-            print(report.format(), flush=True)
-            yield info
+            with _plugin(model, device, info):
+                yield info
         finally:
-            info["patch_report"] = report.to_dict()  # after the first forward: includes the self-check
-            unpatch_model(model)
             undo.restore()
         return
+    if name == "axolotl-best+fastqwen":
+        with axolotl_best(model, family, device, dtype, loss="liger", gc=gc) as best, _plugin(model, device, info):
+            info["notes"] += best["notes"]
+            info["axolotl_components"] = best["components"]
+            info["axolotl_config"] = best["axolotl_config"]
+            yield info
+        return
     raise ValueError(f"unknown path {name!r}")
+
+
+@contextlib.contextmanager
+def _plugin(model, device: torch.device, info: dict) -> Iterator[None]:
+    """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
+    report = patch_model(model)
+    info["patch_report"] = report
+    try:
+        if device.type == "cuda":
+            _selfcheck_now(report, model)
+        print(report.format(), flush=True)
+        yield
+    finally:
+        info["patch_report"] = report.to_dict()  # after the first forward: includes the self-check
+        unpatch_model(model)
 
 
 def _attach_axolotl_lora_kernels(model, device: torch.device, undo: Undo) -> str:
