@@ -5,7 +5,8 @@ to fla / causal-conv1d when importable (on a CPU machine too, where they crash),
 PyTorch fallback. With the `kernels` package installed, each is further wrapped in a tiny
 `nn.Module`. The baselines of our tests and benchmarks need the *stock* layers on a *chosen*
 kernel, so this module finds the PyTorch fallback behind those wrappers and swaps it in,
-reversibly. The plugin's own layers never go through these globals.
+reversibly. The plugin's own layers never go through these globals; the one stock path the
+patched model keeps (generation with a recurrent cache) runs on the fallbacks when on a CPU.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def torch_fallback(fn: Callable, name: str | None = None) -> Callable:
     return fn
 
 
-def resolved_kernel(family: str, name: str) -> str:
+def resolved_kernel(family: str | ModuleType, name: str) -> str:
     """Which implementation a stock global resolves to: 'torch' or the providing package."""
     fn = getattr(modeling_module(family), name)
     if type(fn).__name__ == "Func":
@@ -97,8 +98,19 @@ def _refusing_packed_arguments(name: str, function: Callable) -> Callable:
     return call
 
 
+def stock_kernels_on_cpu(module_name: str, device) -> contextlib.AbstractContextManager:
+    """`stock_torch_kernels(module)` when `device` is a CPU and the module resolved a CUDA kernel
+    package (fla, causal-conv1d), else nothing to do."""
+    if getattr(device, "type", device) != "cpu":
+        return contextlib.nullcontext()
+    module = modeling_module(module_name)
+    if all(resolved_kernel(module, name) == "torch" for name in KERNEL_GLOBALS if hasattr(module, name)):
+        return contextlib.nullcontext()
+    return stock_torch_kernels(module)
+
+
 @contextlib.contextmanager
-def stock_torch_kernels(*families: str) -> Iterator[ModuleType | None]:
+def stock_torch_kernels(*families: str | ModuleType) -> Iterator[ModuleType | None]:
     """Make the stock layers of `families` (default: all) use transformers' PyTorch fallbacks.
 
     Yields the modeling module when one family is given. Restores the globals on exit (nesting is
