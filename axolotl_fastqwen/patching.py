@@ -325,7 +325,8 @@ class _DecoderPreHook:
     def _record_shape(self, training: bool, args, kwargs) -> None:
         shape = _input_shape(args, kwargs)
         seen = self.report.batch_shapes["train" if training else "eval"]
-        if shape is not None and len(seen) < 64:
+        # under torch.export / dynamic shapes the dims are SymInts: not recorded (and not pinned by int())
+        if shape is not None and len(seen) < 64 and all(type(d) is int for d in shape):
             seen.add(shape)
 
     def _no_cache_on_packed_rows(self, kwargs) -> None:

@@ -16,9 +16,8 @@ model-type-dependent handling runs for real, the model sizes are not checked.
 CPU examples run the same chain with this machine's own capabilities, against the tiny
 checkpoint config their ``base_model:`` names.
 
-If ``axolotl_fastqwen.FastQwenPlugin`` cannot be imported yet, the ``plugins:`` entry and the
-``fastqwen_*`` keys are removed before validation (Axolotl refuses an unimportable plugin) and
-the plugin-key checks are skipped; the rest is validated either way.
+The plugin is imported as part of the chain: an import failure fails every example (a shipped
+example whose plugin does not load is a broken example).
 """
 
 from __future__ import annotations
@@ -44,13 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = REPO / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yml"))
 PLUGIN = "axolotl_fastqwen.FastQwenPlugin"
-PLUGIN_KEYS = (
-    "fastqwen_packing",
-    "fastqwen_token_budget",
-    "fastqwen_overlong",
-    "fastqwen_kernels",
-    "fastqwen_fused_ce",
-)
 
 # base_model -> (stand-in config builder, the model_type Axolotl must see)
 STAND_INS = {
@@ -70,17 +62,6 @@ TINY_MODEL_FOR = {
     "qwen3_5_moe": "qwen3_5_moe_vl",
 }
 H200 = {"bf16": True, "fp8": True, "tf32": True, "n_node": 1, "compute_capability": "sm_90"}
-
-
-def _plugin_import_error() -> str | None:
-    try:
-        from axolotl_fastqwen.plugin import FastQwenPlugin  # noqa: F401
-    except Exception as exc:  # the plugin is developed in parallel; see the module docstring
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-PLUGIN_ERROR = _plugin_import_error()
 
 
 def _read(path: Path) -> dict:
@@ -144,10 +125,6 @@ def _validate(raw: dict, tmp_path: Path):
     from axolotl.utils.dict import DictDefault
 
     raw = copy.deepcopy(raw)
-    if PLUGIN_ERROR is not None:
-        raw.pop("plugins", None)
-        for key in PLUGIN_KEYS:
-            raw.pop(key, None)
     if str(raw["base_model"]).startswith(".assets/"):
         capabilities, env_capabilities = gpu_capabilities()  # what `axolotl train` sees here
     else:
@@ -244,9 +221,8 @@ def test_example_passes_axolotl_validation(path, tmp_path, axolotl_sandbox):
         assert cfg.device == "cpu" and cfg.torch_dtype == torch.float32
     else:
         assert cfg.torch_dtype == torch.bfloat16
-    if PLUGIN_ERROR is None:
-        assert cfg.fastqwen_token_budget == raw["fastqwen_token_budget"]  # kept, not dropped
-        assert cfg.fastqwen_packing is True and cfg.fastqwen_kernels == "auto"
+    assert cfg.fastqwen_token_budget == raw["fastqwen_token_budget"]  # kept, not dropped
+    assert cfg.fastqwen_packing is True and cfg.fastqwen_kernels == "auto"
 
 
 @pytest.mark.parametrize(
@@ -316,11 +292,11 @@ def test_validation_rejects_a_broken_example(mutate, message, tmp_path, axolotl_
         _validate(raw, tmp_path)
 
 
-@pytest.mark.skipif(PLUGIN_ERROR is not None, reason=f"plugin not importable: {PLUGIN_ERROR}")
 @pytest.mark.parametrize(
     "change",
-    [{"fastqwen_token_budget": 1000}, {"sample_packing": True}, {"fastqwen_kernels": "fast"}],
-    ids=["budget-off-grid", "multipack", "bad-kernels"],
+    [{"fastqwen_token_budget": 1000}, {"sample_packing": True}, {"fastqwen_kernels": "fast"},
+     {"fastqwen_pakcing": False}],
+    ids=["budget-off-grid", "multipack", "bad-kernels", "misspelt-key"],
 )
 def test_plugin_keys_are_validated(change, tmp_path, axolotl_sandbox):
     raw = _read(EXAMPLES_DIR / "qwen3_5-27b-lora.yml")
