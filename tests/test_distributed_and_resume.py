@@ -1,10 +1,12 @@
 """Data parallelism and checkpoints, through Axolotl's own train command on CPU.
 
-* 2 ranks (torchrun, gloo): disjoint samples, union = the dataset, equal step counts, and each
-  packed bin's loss equal to a single-process run over the same bins (lr = 0, so every step
-  sees the same weights; fp32, tolerance 1e-5 relative: same math, same inputs).
-* Resume mid-epoch (in the second epoch): the samples of the interrupted + resumed run are
-  exactly one uninterrupted run's, step by step; and the checkpoint resumes without the plugin.
+* 2 ranks (torchrun, gloo): disjoint samples, union = the dataset, equal step counts, the same
+  bins as one process, and every micro-batch's loss on every rank (and in the single process)
+  equal to stock transformers run on that batch's sequences one at a time, over the
+  `num_items_in_batch` the model was given (lr = 0 and LoRA's B = 0, so the trained model is the
+  checkpoint; fp32, tolerance 1e-5 relative: the same math in another order).
+* Resume mid-epoch (in the second epoch): the samples and the losses of the interrupted + resumed
+  run are one uninterrupted run's, step by step; and the checkpoint resumes without the plugin.
 """
 
 from __future__ import annotations
@@ -71,6 +73,32 @@ def probe(out: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (r["step"], r["rank"]))
 
 
+def stock_losses(rows: list[dict]) -> list[float]:
+    """Each recorded micro-batch's loss by stock transformers: its sequences one at a time on the
+    checkpoint the run started from, summed, over the batch's own num_items_in_batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from axolotl_fastqwen.stock import stock_torch_kernels
+
+    model = AutoModelForCausalLM.from_pretrained(ROOT / ".assets" / "qwen3_5", dtype=torch.float32).eval()
+    out = []
+    with stock_torch_kernels("qwen3_5"), torch.no_grad():
+        for row in rows:
+            total = 0.0
+            for ids, labels in row["segments"]:
+                loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]),
+                             num_items_in_batch=torch.tensor(1), use_cache=False).loss
+                total += float(loss)
+            out.append(total / row["num_items_in_batch"])
+    return out
+
+
+def assert_losses_are_stock(rows: list[dict]) -> None:
+    for row, expected in zip(rows, stock_losses(rows)):
+        assert abs(row["loss"] - expected) <= 1e-5 * abs(expected), (row["step"], row["rank"], row["loss"], expected)
+
+
 def test_two_ranks_train_disjoint_bins_that_cover_the_dataset(tmp_path):
     ddp = config(tmp_path, "ddp")
     single = config(tmp_path, "single")
@@ -89,11 +117,9 @@ def test_two_ranks_train_disjoint_bins_that_cover_the_dataset(tmp_path):
 
     report = json.loads((tmp_path / "ddp" / "fastqwen_report.json").read_text())
     assert report["packing"]["replicas"] == 2
-    by_bin = {tuple(row["seqs"]): row["loss"] for row in alone}
-    assert {tuple(row["seqs"]) for row in ranks} == set(by_bin)  # the same bins
-    for row in ranks:
-        expected = by_bin[tuple(row["seqs"])]
-        assert abs(row["loss"] - expected) <= 1e-5 * abs(expected), row
+    assert {tuple(row["seqs"]) for row in ranks} == {tuple(row["seqs"]) for row in alone}  # the same bins
+    assert_losses_are_stock(ranks)  # the reference: stock on each sequence, not the plugin's own run
+    assert_losses_are_stock(alone)
 
 
 def test_resume_mid_epoch_replays_nothing_and_skips_nothing(tmp_path):
@@ -110,6 +136,12 @@ def test_resume_mid_epoch_replays_nothing_and_skips_nothing(tmp_path):
     assert [r["step"] for r in second] == list(range(40, steps))
     combined = [r["seqs"] for r in reference if r["step"] < 40] + [r["seqs"] for r in second]
     assert combined == [r["seqs"] for r in reference]  # same bins, same order, each sample once per epoch
+    # and the same training: after the resume, each step's loss is the uninterrupted run's
+    # (weights, optimizer state and schedule restored from the checkpoint; fp32, 1e-5 relative)
+    after = [r for r in reference if r["step"] >= 40]
+    assert len(after) == len(second)
+    for a, b in zip(second, after):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
 
     # The plugin's checkpoint is a plain Axolotl/PEFT checkpoint: it resumes without the plugin.
     # (Stock Qwen3.5 layers crash on CPU when fla is importable, so this run hides fla.)
