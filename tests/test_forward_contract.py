@@ -14,7 +14,7 @@ import torch
 from axolotl_fastqwen import patch_model
 from axolotl_fastqwen.boundaries import BoundaryError
 from axolotl_fastqwen.stock import stock_torch_kernels
-from axolotl_fastqwen.tools.tiny_assets import build_tiny_model
+from tiny_assets import build_tiny_model
 
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     FAMILIES, TOL, assert_grads_close, grads, loss_and_grads, model_for, packed_batch, rel, sequences,
@@ -197,7 +197,7 @@ def test_moe_aux_loss_of_a_packed_row_counts_its_data_tokens_only(family):
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from axolotl_fastqwen.tools.tiny_assets import build_tokenizer
+    from tiny_assets import build_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
