@@ -43,15 +43,21 @@ class DecoderPreHook:
         self.context.last_boundaries = kwargs.get(BOUNDARIES_KWARG)
         if self.context.last_boundaries is not None:
             return args, kwargs
+        cu = kwargs.get("cu_seq_lens_q")
+        if torch.compiler.is_compiling() and (cu is None or host is None):
+            return args, kwargs  # under torch.compile only a collator's boundaries (no host sync) are read
         device = _input_device(args, kwargs)
         position_ids = kwargs.get("position_ids")
         text_positions = position_ids[0] if position_ids is not None and position_ids.dim() == 3 else position_ids
         validate = device.type != "cuda" or not self.validated  # on a GPU each check is a sync: check once
-        boundaries = resolve(
+        boundaries, note = resolve(
             device=device, position_ids=text_positions, attention_mask=kwargs.get("attention_mask"),
-            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), host_cu_seqlens=host, seq_idx=kwargs.get("seq_idx"),
+            cu_seq_lens_q=cu, host_cu_seqlens=host, seq_idx=kwargs.get("seq_idx"),
             max_length_q=kwargs.get("max_length_q"), padding_segments=padding, validate=validate,
+            input_width=_input_width(args, kwargs),
         )
+        if note:
+            self.report.kernels.note(note)
         if boundaries is None:
             return args, kwargs
         self.validated = True
@@ -103,6 +109,11 @@ def _input_shape(args, kwargs) -> tuple[int, ...] | None:
         if isinstance(value, torch.Tensor):
             return tuple(value.shape[:2])
     return None
+
+
+def _input_width(args, kwargs) -> int | None:
+    shape = _input_shape(args, kwargs)
+    return shape[1] if shape is not None and len(shape) > 1 else None
 
 
 def _input_device(args, kwargs) -> torch.device:

@@ -394,3 +394,48 @@ def test_require_mode_on_cpu_names_every_op_that_would_fall_back():
     for op in ("gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention"):
         assert op in str(err.value)
     assert "fastqwen_kernels: auto" in str(err.value)
+
+
+def test_unpatch_restores_every_global_the_patch_touched(monkeypatch):
+    """Module globals and class attributes of every module the patch reaches (the modeling module,
+    peft's LoRA layers, fla's Hopper-guard module) are identical before the patch and after
+    unpatch_model, with a training step in between; fla's guard included, as the GPU self-check
+    lifts it (simulated here: on this CPU the guard's Triton test cannot be true, so fla's global is
+    set to what Triton 3.6 gives before the snapshot)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import layer as lora_layer
+
+    from axolotl_fastqwen.kernels import hopper_guard
+
+    chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+    model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=4, target_modules=LORA_TARGETS))
+    modeling = __import__(type(model.get_base_model()).__module__, fromlist=["_"])
+
+    def snapshot():
+        out = {}
+        for module in (modeling, lora_layer, chunk_o):
+            out[module.__name__] = dict(vars(module))
+            for obj in vars(module).values():
+                if isinstance(obj, type) and obj.__module__ == module.__name__:
+                    out[f"{module.__name__}.{obj.__name__}"] = dict(vars(obj))
+        instance = {name: {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
+                    for name, m in model.named_modules()}
+        return out, instance
+
+    def same(a, b):
+        assert a.keys() == b.keys(), set(a) ^ set(b)
+        for key in a:
+            changed = [k for k in set(a[key]) | set(b[key]) if a[key].get(k, KeyError) is not b[key].get(k, KeyError)]
+            assert not changed, (key, changed)
+
+    before = snapshot()
+    report = patch_model(model)
+    model(**packed_batch(sequences(model.config.vocab_size))).loss.backward()
+    hopper_guard.lift(report.kernels)  # what the self-check does when fla's GDN passes with the guard lifted
+    assert chunk_o.TRITON_ABOVE_3_7_1 is True
+    unpatch_model(model)
+    after = snapshot()
+    same(before[0], after[0])
+    same(before[1], after[1])
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False and not hopper_guard.lifted_by(report.kernels)

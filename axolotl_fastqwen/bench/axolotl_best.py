@@ -158,6 +158,8 @@ def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *
         raise ValueError(f"loss must be one of {LOSSES}")
     if importlib.util.find_spec("axolotl") is None:
         raise PathSkipped("Axolotl is not installed")
+    if registry.family(family).axolotl is None:
+        raise PathSkipped(f"Axolotl has no patches for {family}")
     moe = registry.family(family).moe
     base = unwrap(model)
     info: dict = {"notes": [], "components": []}

@@ -263,6 +263,8 @@ def experts_implementation(model: torch.nn.Module, impl: str) -> Iterator[str]:
 @contextlib.contextmanager
 def axolotl_patch(family: str, device: torch.device | None = None) -> Iterator[list[str]]:
     """Apply Axolotl's class-level packing patch; restore the modeling module exactly afterwards."""
+    if registry.family(family).axolotl is None:
+        raise PathSkipped(f"Axolotl has no packing patch for {family}")
     module_name, fn_name = registry.family(family).axolotl.packing
     try:
         patch_module, stood_in = import_axolotl_patch(module_name)

@@ -59,7 +59,7 @@ class Family:
     decoder: str  # the module that owns the layer stack (boundaries are resolved there)
     project_gated_deltanet: Callable[[nn.Module, torch.Tensor], Projection]
     lora_targets: tuple[str, ...]  # peft target_modules of the examples and the benchmark
-    axolotl: AxolotlNames
+    axolotl: AxolotlNames | None = None  # None: Axolotl has no patches of its own for this family
     composite_config: str | None = None  # the vision-language checkpoint config (published checkpoints)
     conditional_generation: str | None = None  # its *ForConditionalGeneration
     moe: bool = False  # routes tokens to experts (an auxiliary load-balancing loss)
