@@ -18,6 +18,8 @@ import inspect
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
+import torch
+
 # Module-level kernel functions of the Qwen hybrid modeling files (transformers 5.17 - 5.25).
 KERNEL_GLOBALS = (
     "torch_chunk_gated_delta_rule",
@@ -95,8 +97,8 @@ def _refusing_packed_arguments(name: str, function: Callable) -> Callable:
 def stock_kernels_on_cpu(module_name: str | ModuleType, device) -> contextlib.AbstractContextManager:
     """`stock_torch_kernels(module)` when `device` is a CPU and the module resolved a CUDA kernel
     package (fla, causal-conv1d), else nothing to do."""
-    if getattr(device, "type", device) != "cpu":
-        return contextlib.nullcontext()
+    if getattr(device, "type", device) != "cpu" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()  # (dynamo cannot trace a swap of module globals)
     module = modeling_module(module_name)
     if all(resolved_kernel(module, name) == "torch" for name in KERNEL_GLOBALS if hasattr(module, name)):
         return contextlib.nullcontext()
