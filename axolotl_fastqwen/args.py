@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-TOKEN_MULTIPLE = 64  # one GDN chunk: a budget on this grid never leaves a ragged last chunk
+from .packing.planner import TOKEN_BUDGET_MULTIPLE as TOKEN_MULTIPLE  # one place: the packer's grid
 
 
 class FastQwenArgs(BaseModel):

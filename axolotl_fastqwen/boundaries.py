@@ -163,31 +163,56 @@ def resolve(
     max_length_q: int | None = None,
     padding_segments=None,
     validate: bool = True,
-) -> Boundaries | None:
-    """The boundaries of one batch, or None when it is not packed (stock semantics apply).
+    input_width: int | None = None,
+) -> tuple[Boundaries | None, str | None]:
+    """The boundaries of one batch, or None when it is not packed (stock semantics apply), and a
+    note for the report when the batch is one the recurrence can only read as stock does.
 
-    `position_ids` are the text positions `[B, T]` (the first MRoPE axis for 3-D ones).
+    `position_ids` are the text positions `[B, T]` (the first MRoPE axis for 3-D ones);
+    `input_width` is T (a generation mask that also covers the cache is wider: not packed).
     `validate`: cross-check a collator's boundary tensors against its `position_ids` and mask (one
     host sync; the caller decides how often that is worth it on a GPU).
     """
     if cu_seq_lens_q is not None:
         return _from_collator(device, position_ids, attention_mask, cu_seq_lens_q, host_cu_seqlens, seq_idx,
-                              max_length_q, padding_segments, validate)
+                              max_length_q, padding_segments, validate), None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-        return _from_mask(device, attention_mask, position_ids)
+        if input_width is not None and attention_mask.shape[-1] != input_width:
+            return None, None  # generation: the mask spans the cache and the new tokens
+        return _from_mask(device, attention_mask, position_ids), None
     if position_ids is None:
-        return None
+        return None, None
     flat = _rows(position_ids).to("cpu")
-    if not bool(_restarts(flat).any()):
-        return None  # every row is one sequence, whatever its first position: stock semantics
-    if attention_mask is not None:
-        raise BoundaryError(
-            f"position_ids restart inside a row (a packed batch) but the attention_mask is "
-            f"{_describe(attention_mask)}, from which the recurrence cannot read where sequences end. "
-            "Pass a 2-D attention_mask (0/1, or Axolotl's per-sequence ids) or none, with restarting position_ids."
-        )
-    starts = torch.nonzero((_row_starts(flat) | _restarts(flat)).reshape(-1)).reshape(-1)
-    return Boundaries.from_starts(starts, flat.numel(), device=device, source="position_ids (1 sync per forward)")
+    restarts = _restarts(flat)
+    if not bool(restarts.any()):
+        return None, None  # every row is one sequence, whatever its first position: stock semantics
+    starts = torch.nonzero((_row_starts(flat) | restarts).reshape(-1)).reshape(-1)
+    if attention_mask is None:
+        return Boundaries.from_starts(starts, flat.numel(), device=device,
+                                      source="position_ids (1 sync per forward)"), None
+    boundaries = Boundaries.from_starts(starts, flat.numel(), device=device,
+                                        source="position_ids + a block-diagonal 4-D mask (2 syncs per forward)")
+    if _is_block_causal(attention_mask, boundaries, flat.shape):
+        return boundaries, None
+    return None, (
+        f"position_ids restart inside a row, with an attention_mask ({_describe(attention_mask)}) that is not "
+        "the block-diagonal causal mask of those restarts (a shared-prefix or tree mask?): attention follows the "
+        "mask, and the Gated DeltaNet layers read each row as one sequence, as stock transformers does (a "
+        "recurrence cannot follow an arbitrary mask)"
+    )
+
+
+def _is_block_causal(mask, boundaries: Boundaries, shape) -> bool:
+    """Whether a 4-D mask `[B|1, 1|H, T, T]` allows exactly each token's own sequence, causally."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or not mask.shape[-1] == mask.shape[-2] == shape[-1]:
+        return False
+    rows, width = shape
+    allowed = mask.detach().to("cpu")
+    allowed = allowed if allowed.dtype == torch.bool else allowed > torch.finfo(allowed.dtype).min / 2
+    seq = torch.repeat_interleave(torch.arange(boundaries.num_sequences), boundaries.cu_seqlens_host.diff())
+    seq = seq.view(rows, width)
+    want = (seq[:, :, None] == seq[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    return bool((allowed == want[:, None]).all())
 
 
 def _from_collator(device, positions, mask, cu, host, seq_idx, max_length, padding, validate) -> Boundaries:

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
-from axolotl.integrations.base import BasePlugin, PluginManager
+from axolotl.integrations.base import BasePlugin
 from transformers import TrainerCallback
 
-from . import coexistence
+from . import coexistence, registry
 from .args import token_budget
+from .axolotl_compat import BARE_NAME, alias_bare_name
+from .devices import training_device
 from .families.base import UnsupportedModelError
 from .kernels import KernelUnavailableError
 from .patching import patch_model
@@ -28,21 +29,11 @@ from .report import REPORT_FILE
 
 LOG = logging.getLogger("axolotl_fastqwen")
 
-NAMES = frozenset({"axolotl_fastqwen", "axolotl_fastqwen.FastQwenPlugin", "axolotl_fastqwen:FastQwenPlugin"})
+NAMES = frozenset({BARE_NAME, "axolotl_fastqwen.FastQwenPlugin", "axolotl_fastqwen:FastQwenPlugin"})
 
 
 def named_in(cfg) -> bool:
     return any(str(name) in NAMES for name in (cfg.get("plugins") or []))
-
-
-class _BareNameAlias(BasePlugin):
-    """Stands in the plugin table under the bare name `axolotl_fastqwen`.
-
-    Axolotl splits a configured plugin name on its last dot to import `module.Class`, so the bare
-    module name cannot be loaded; but it skips loading any name already in its table. The real
-    plugin (registered through the entry point just before) puts this inert twin there; every hook
-    of the twin is BasePlugin's no-op, so nothing runs twice.
-    """
 
 
 class FastQwenPlugin(BasePlugin):
@@ -50,9 +41,7 @@ class FastQwenPlugin(BasePlugin):
         super().__init__()
         self.active = False
         self.report = None
-        manager = PluginManager._instance
-        if manager is not None and "axolotl_fastqwen" not in manager.plugins:
-            manager.plugins["axolotl_fastqwen"] = _BareNameAlias()
+        alias_bare_name()
 
     # ---- configuration ---------------------------------------------------------------------
     def register(self, cfg):
@@ -78,7 +67,7 @@ class FastQwenPlugin(BasePlugin):
         if not self.active:
             return
         refuse_model_type(cfg.get("model_config_type"))
-        coexistence.check_device(cfg, _training_device().type)
+        coexistence.check_device(cfg, training_device().type)
         if cfg.get("fastqwen_kernels") == "require" and not torch.cuda.is_available():
             raise KernelUnavailableError(
                 "fastqwen_kernels: require needs a CUDA GPU with flash-linear-attention; this machine has "
@@ -93,7 +82,7 @@ class FastQwenPlugin(BasePlugin):
             model,
             backend=cfg.get("fastqwen_kernels") or "auto",
             fused_cross_entropy=fused_ce,
-            device=_training_device(),
+            device=training_device(),
             log=False,
         )
         owner = coexistence.loss_owner(cfg)
@@ -134,8 +123,6 @@ class FastQwenPlugin(BasePlugin):
 
 
 def supported_model_types() -> set[str]:
-    from . import registry
-
     return {t for family in registry.families() for t in family.model_types}
 
 
@@ -154,6 +141,7 @@ def check_model_type(cfg) -> None:
     source = cfg.get("base_model_config") or cfg.get("base_model")
     if not source:
         return
+    supported = supported_model_types()  # first: loads the extensions, which may register their configs
     try:
         from transformers import AutoConfig
 
@@ -163,17 +151,13 @@ def check_model_type(cfg) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure to read it defers the check
         LOG.debug("axolotl_fastqwen: model config of %s not readable at config load (%s)", source, exc)
         return
-    refuse_model_type(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    if model_type not in supported:
+        refuse_model_type(model_type)
 
 
 def _packing(cfg) -> bool:
     return cfg.get("fastqwen_packing", True) is not False
-
-
-def _training_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 class _ReportOnTrainEnd(TrainerCallback):

@@ -18,6 +18,8 @@ import inspect
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
+import torch
+
 # Module-level kernel functions of the Qwen hybrid modeling files (transformers 5.17 - 5.25).
 KERNEL_GLOBALS = (
     "torch_chunk_gated_delta_rule",
@@ -26,25 +28,19 @@ KERNEL_GLOBALS = (
     "causal_conv1d_update",
 )
 
-MODELING_MODULES = {
-    "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
-    "qwen3_5_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
-    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
-}
-# model types and asset names that share a modeling module
-ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_vl": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
-           "qwen3_5_moe_vl": "qwen3_5_moe"}
-
-
 def modeling_module(family_or_module: str | ModuleType) -> ModuleType:
-    """The transformers modeling module of a family, model type or module path."""
+    """The transformers modeling module of a registered family (by its name or one of its model
+    types), or of a module path."""
     if isinstance(family_or_module, ModuleType):
         return family_or_module
-    name = ALIASES.get(family_or_module, family_or_module)
-    if name not in MODELING_MODULES and not name.startswith("transformers."):
-        raise ValueError(f"unknown family/model_type {family_or_module!r}; expected one of "
-                         f"{sorted(MODELING_MODULES) + sorted(ALIASES)}")
-    return importlib.import_module(MODELING_MODULES.get(name, name))
+    if family_or_module.startswith("transformers."):
+        return importlib.import_module(family_or_module)
+    from . import registry
+
+    try:
+        return importlib.import_module(registry.family(family_or_module).modeling_module)
+    except KeyError as exc:
+        raise ValueError(f"unknown family/model_type {family_or_module!r}: {exc.args[0]}") from None
 
 
 def _closure_function(method: Callable) -> Callable | None:
@@ -98,11 +94,11 @@ def _refusing_packed_arguments(name: str, function: Callable) -> Callable:
     return call
 
 
-def stock_kernels_on_cpu(module_name: str, device) -> contextlib.AbstractContextManager:
+def stock_kernels_on_cpu(module_name: str | ModuleType, device) -> contextlib.AbstractContextManager:
     """`stock_torch_kernels(module)` when `device` is a CPU and the module resolved a CUDA kernel
     package (fla, causal-conv1d), else nothing to do."""
-    if getattr(device, "type", device) != "cpu":
-        return contextlib.nullcontext()
+    if getattr(device, "type", device) != "cpu" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()  # (dynamo cannot trace a swap of module globals)
     module = modeling_module(module_name)
     if all(resolved_kernel(module, name) == "torch" for name in KERNEL_GLOBALS if hasattr(module, name)):
         return contextlib.nullcontext()
@@ -116,7 +112,11 @@ def stock_torch_kernels(*families: str | ModuleType) -> Iterator[ModuleType | No
     Yields the modeling module when one family is given. Restores the globals on exit (nesting is
     fine). The swap is process-wide (module globals): not for concurrent threads.
     """
-    modules = list(dict.fromkeys(modeling_module(f) for f in (families or tuple(MODELING_MODULES))))
+    if not families:
+        from . import registry
+
+        families = tuple(f.modeling_module for f in registry.families())
+    modules = list(dict.fromkeys(modeling_module(f) for f in families))
     saved = []
     try:
         for module in modules:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# the asset builders (tools/tiny_assets.py) live outside the package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -24,7 +24,7 @@ ASSETS = ROOT / ".assets"
 
 @pytest.fixture(scope="module", autouse=True)
 def assets():
-    from axolotl_fastqwen.tools.tiny_assets import write_assets
+    from tiny_assets import write_assets
 
     write_assets(ASSETS)
 

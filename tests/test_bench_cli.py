@@ -64,14 +64,15 @@ def test_bench_writes_complete_json(bench):
     assert result["schema"] == "axolotl_fastqwen.bench/1" and result["partial"] is False
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
-        "axolotl-best", "axolotl-best-cce", "stock-moe-eager", "stock-moe-grouped-mm",
+        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen", "stock-moe-eager",
+        "stock-moe-grouped-mm",
     ]
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
     assert "MFU = model FLOPs" in result["flops"]["formula"]
     assert result["model"]["matmul_params_per_token"]["total"] > 0
     assert result["workload"]["micro_batch_size"] >= 1
-    for name in ("stock-torch-padded", "fastqwen"):
+    for name in ("stock-torch-padded", "fastqwen", "fastqwen-lora-kernels", "axolotl-best+fastqwen"):
         r = _path(result, name)
         assert r["status"] == "ok", r.get("error")
         assert PATH_KEYS <= set(r), PATH_KEYS - set(r)
@@ -176,12 +177,12 @@ def test_axolotl_best_is_undone_and_the_plugin_path_after_it_is_unaffected():
 
     from axolotl_fastqwen.bench import run
     from axolotl_fastqwen.bench.restore import fingerprint
-    from axolotl_fastqwen.stock import MODELING_MODULES
+    from axolotl_fastqwen import registry
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     args = run.make_parser().parse_args([*TINY[:-2], "--seed", "3", "--steps", "1", "--warmup", "0"])
     setup = run.prepare(args, steps_per_path=2)
-    modeling = importlib.import_module(MODELING_MODULES["qwen3_5"])
+    modeling = importlib.import_module(registry.family("qwen3_5").modeling_module)
     before, sdpa = fingerprint(setup.model, [modeling]), ALL_ATTENTION_FUNCTIONS["sdpa"]
     first = run.run_path(setup, "fastqwen")
     best = run.run_path(setup, "axolotl-best")
@@ -209,14 +210,14 @@ def test_axolotl_best_gpu_branches_apply_and_undo_fully(shape):
     from axolotl_fastqwen.bench.axolotl_best import axolotl_best
     from axolotl_fastqwen.bench.restore import fingerprint
     from axolotl_fastqwen.bench.shapes import lora_targets
-    from axolotl_fastqwen.stock import MODELING_MODULES
+    from axolotl_fastqwen import registry
 
     s = get_shape(shape)
     model, _ = build_model(build_config(s, 4), s.family, torch.device("cpu"), torch.float32, seed=0)
     for p in model.parameters():
         p.requires_grad_(False)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(s.family)))
-    modeling = importlib.import_module(MODELING_MODULES[s.family])
+    modeling = importlib.import_module(registry.family(s.family).modeling_module)
     before = fingerprint(model, [modeling])
     sdpa, correct = ALL_ATTENTION_FUNCTIONS["sdpa"], PreTrainedModel.get_correct_experts_implementation
     experts_impl = model.get_base_model().config._experts_implementation
@@ -255,8 +256,8 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
                                       "axolotl-best-cce"]
-    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-3:] == (
-        "axolotl-packing", "axolotl-best", "axolotl-best-cce")  # Axolotl's class-level patches last
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-4:] == (
+        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen")  # Axolotl's patches last
     with pytest.raises(ValueError, match="f=axolotl-best"):
         parse_paths("z")
 

@@ -30,7 +30,7 @@ PLUGINS = ["axolotl_fastqwen.FastQwenPlugin", "fastqwen_probe.ProbePlugin"]
 
 @pytest.fixture(scope="module", autouse=True)
 def assets():
-    from axolotl_fastqwen.tools.tiny_assets import write_assets
+    from tiny_assets import write_assets
 
     write_assets(ROOT / ".assets")
 

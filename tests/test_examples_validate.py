@@ -34,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-from axolotl_fastqwen.tools import tiny_assets as ta  # noqa: E402
+import tiny_assets as ta  # noqa: E402
 
 pytest.importorskip("axolotl")
 pytestmark = pytest.mark.axolotl

@@ -14,7 +14,7 @@ import torch
 from axolotl_fastqwen import patch_model
 from axolotl_fastqwen.boundaries import BoundaryError
 from axolotl_fastqwen.stock import stock_torch_kernels
-from axolotl_fastqwen.tools.tiny_assets import build_tiny_model
+from tiny_assets import build_tiny_model
 
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     FAMILIES, TOL, assert_grads_close, grads, loss_and_grads, model_for, packed_batch, rel, sequences,
@@ -197,7 +197,7 @@ def test_moe_aux_loss_of_a_packed_row_counts_its_data_tokens_only(family):
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from axolotl_fastqwen.tools.tiny_assets import build_tokenizer
+    from tiny_assets import build_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
@@ -244,14 +244,25 @@ def test_axolotl_multipack_batches_equal_each_sequence_alone(tokenizer, collator
     assert any(s.startswith("attention_mask") for s in report.boundary_sources)
 
 
-def test_a_4d_mask_with_restarting_position_ids_is_refused():
+def test_a_block_diagonal_4d_mask_packs_exactly_and_any_other_runs_as_stock():
+    """Packing expressed as a custom 4-D mask: when it is the block-diagonal causal mask of the
+    restarting position_ids, the row is packed (each sequence as alone: better than stock, whose
+    recurrence ignores 4-D masks); any other 4-D mask (a shared-prefix tree, say) runs exactly as
+    stock runs it, and the report says the recurrence could not follow it."""
     model = model_for("qwen3_5")
-    patch_model(model)
     seqs = sequences(model.config.vocab_size, [10, 6])
+    ids = torch.cat(seqs)[None]
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    mask = torch.ones(1, 1, 16, 16).tril()
-    with pytest.raises(BoundaryError, match="cannot read where sequences end"):
-        model(input_ids=torch.cat(seqs)[None], position_ids=pos, attention_mask=mask)
+    seq = torch.repeat_interleave(torch.arange(2), torch.tensor([10, 6]))
+    blocks = ((seq[:, None] == seq[None, :]) & torch.ones(16, 16, dtype=torch.bool).tril())[None, None]
+    causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()
+    with stock_torch_kernels("qwen3_5"):
+        alone = torch.cat([model(input_ids=s[None]).logits[0] for s in seqs]).detach()
+        stock_causal = model(input_ids=ids, position_ids=pos, attention_mask=causal).logits.detach()
+    report = patch_model(model)
+    assert close(model(input_ids=ids, position_ids=pos, attention_mask=blocks).logits[0].detach(), alone)
+    assert close(model(input_ids=ids, position_ids=pos, attention_mask=causal).logits.detach(), stock_causal)
+    assert any("not the block-diagonal causal mask" in n for n in report.kernels.notes)
 
 
 # ---- 7. left padding -----------------------------------------------------------------------------

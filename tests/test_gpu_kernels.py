@@ -44,17 +44,16 @@ def test_kernel_matches_fp32_reference_on_packed_input(op, name, gpu_record):
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
     boundaries = Boundaries.from_cu_seqlens(cu.cuda(), device=torch.device("cuda"), host=cu)
     inputs, extra = check_inputs(op, QWEN35_27B, "cuda", tokens=int(cu[-1]))
-    from axolotl_fastqwen.kernels import fla_hopper_guard_active, set_fla_hopper_guard
+    from axolotl_fastqwen.kernels import hopper_guard
 
-    lifted = backend.library == "fla" and op == "gated_delta_rule" and fla_hopper_guard_active()
+    lifted = backend.library == "fla" and op == "gated_delta_rule" and hopper_guard.active()
     if lifted:
-        set_fla_hopper_guard(False)
+        hopper_guard.lift(backend)
     try:
         err = compare(bind(op, backend.fn, boundaries, extra), bind(op, reference.fn, boundaries, extra),
                       inputs, torch.bfloat16)
     finally:
-        if lifted:
-            set_fla_hopper_guard(True)
+        hopper_guard.release(backend)
     gpu_record({"test": "op_vs_fp32_reference", "op": op, "backend": name, "shape": "qwen3.5-27b",
                 "tokens": int(cu[-1]), "lengths": LENGTHS, "rel_err_max_fwd_bwd": err, "tolerance": OP_TOL,
                 "hopper_guard_lifted": lifted})
@@ -133,10 +132,11 @@ def _rel(a, b):
 @pytest.mark.parametrize("conv", ["causal-conv1d", "fla-triton"])
 def test_27b_slice_bf16_kernels_match_fp32_reference(conv, gpu_record):
     """Same weights: bf16 with the fused kernels vs fp32 on the PyTorch reference path."""
-    from axolotl_fastqwen.kernels import _CONV
+    from axolotl_fastqwen.ops.causal_conv import BACKENDS
 
-    if conv == "causal-conv1d" and _CONV(torch.device("cuda")) is not None:
-        pytest.skip(f"causal-conv1d: {_CONV(torch.device('cuda'))}")
+    why = next(b for b in BACKENDS if b.name == "causal-conv1d").available(torch.device("cuda"))
+    if conv == "causal-conv1d" and why is not None:
+        pytest.skip(f"causal-conv1d: {why}")
     model = _model_27b_slice()
     _, batch = _packed_batch()
     grads = {}

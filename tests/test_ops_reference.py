@@ -171,6 +171,13 @@ def liger_stand_in(monkeypatch):
 @pytest.mark.parametrize("num_items", [None, 57])
 @pytest.mark.parametrize("grads", ["hidden", "hidden+weight", "weight"])
 def test_liger_wrapper_has_the_torch_contract(num_items, grads, liger_stand_in):
+    """Called as the patched head calls it (through the model's KernelSet, Liger chosen)."""
+    from axolotl_fastqwen.kernels import KernelChoice, KernelSet
+    from axolotl_fastqwen.ops.linear_cross_entropy import BACKENDS
+
+    liger, chunked = (next(b for b in BACKENDS if b.name == n) for n in ("liger", "torch-chunked"))
+    kernels = KernelSet({"linear_cross_entropy": KernelChoice(liger)}, torch.device("cpu"), "auto",
+                        {"linear_cross_entropy": chunked})
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 32, 40, generator=g).transpose(1, 2).requires_grad_("hidden" in grads)  # not contiguous
     w = torch.randn(300, 32, generator=g).requires_grad_("weight" in grads)
@@ -179,15 +186,17 @@ def test_liger_wrapper_has_the_torch_contract(num_items, grads, liger_stand_in):
     targets = shift_labels(labels)
     n = torch.tensor(num_items) if num_items else None
     leaves = [x for x in (h, w) if x.requires_grad]
-    ours = liger_linear_cross_entropy(h, w, targets, num_items_in_batch=n)
+    ours = kernels.linear_cross_entropy(h, w, targets, num_items_in_batch=n)
     got = torch.autograd.grad(ours, leaves)
     ref = reference_cross_entropy(h @ w.T, targets, n)
     assert ours.dtype == torch.float32 and ours.dim() == 0
     assert rel(ours.detach(), ref.detach()) < 1e-6
     assert all(rel(a, b) < 1e-5 for a, b in zip(got, torch.autograd.grad(ref, leaves), strict=True))
-    # Liger drops lm_head's gradient when hidden needs none: that case must take the torch path
+    # Liger drops lm_head's gradient when hidden needs none: that call takes the torch path, and says so
     expected = [] if grads == "weight" else [(True, 2, "sum", torch.float32)]  # contiguous, flat, summed, fp32 dW
     assert liger_stand_in == expected
+    handed_over = [note for note in kernels.notes if "liger hands calls with a trainable lm_head" in note]
+    assert len(handed_over) == (1 if grads == "weight" else 0), kernels.notes
 
 
 def test_liger_wrapper_of_a_batch_without_targets_is_zero_not_nan(liger_stand_in):

@@ -18,7 +18,7 @@ from axolotl_fastqwen.families import UnsupportedModelError
 from axolotl_fastqwen.kernels import KernelUnavailableError
 from axolotl_fastqwen.packing import PackedCollator
 from axolotl_fastqwen.stock import stock_torch_kernels
-from axolotl_fastqwen.tools.tiny_assets import build_tiny_model
+from tiny_assets import build_tiny_model
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 LORA_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -153,17 +153,20 @@ def test_bf16_autocast_training_is_as_accurate_as_stock():
     Tolerances from first principles, with u = 2^-8 = 3.9e-3 (bf16's unit roundoff: 8 significant
     bits). Under autocast every matmul rounds its operands to bf16; norms, gates, the recurrence
     state, softmax and the loss stay fp32, in the patched path as in stock.
-    * The loss is a mean of ~128 per-token log-probabilities, each off by O(u) relative, with
-      independent signs: within 2.5 u of the fp32 value (both stock and patched).
+    * The loss is a mean of ~128 per-token log-probabilities, each off by O(u) relative with
+      independent signs: within 2.5 u of the fp32 value, for stock and for the patched row.
     * A gradient is a sum over tokens of products that cancel (this random tiny model's gradients
-      are small against their terms), so its bf16 error is u times that cancellation factor, which
-      no formula here knows; stock measures it: the same roundings, done by stock, land ~0.1 (26 u)
-      from the fp32 gradient. The patched path does the same roundings in another order, never
-      more of them: its error may exceed stock's by at most 2 u, and a broken kernel (O(1) off,
-      or fp32 math done in bf16) could not stay under 32 u.
+      are small against their terms), so its bf16 error is u times a cancellation factor that
+      depends on the draw of the weights: stock lands 0.09 to 0.38 from the fp32 gradient over four
+      LoRA seeds. The patched row performs the same roundings (the same bf16 matmuls, the same fp32
+      stages) in another order: its error is a draw from the same distribution as stock's, so the
+      two are of the same size, whatever the cancellation; measured ratios 0.74, 1.16, 0.83, 0.98
+      (seeds 0-3). It must stay within 1.5x stock's; math done at a lower precision than stock's
+      (e.g. the recurrence or the loss in bf16) multiplies the error by 2^8 / 2^3 or more.
     """
     from peft import LoraConfig, get_peft_model
 
+    torch.manual_seed(0)  # the adapters' random init (init_lora_weights=False): a fixed draw
     model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
                                                              init_lora_weights=False))
     seqs = sequences(model.config.vocab_size)
@@ -182,7 +185,7 @@ def test_bf16_autocast_training_is_as_accurate_as_stock():
     assert abs(float(out.loss) - truth_loss) <= 2.5 * u * truth_loss
     assert abs(stock_loss - truth_loss) <= 2.5 * u * truth_loss
     ours_err, stock_err = rel(flat(ours), flat(truth)), rel(flat(stock), flat(truth))
-    assert ours_err <= 32 * u and ours_err <= stock_err + 2 * u, (ours_err, stock_err)
+    assert ours_err <= 1.5 * stock_err, (ours_err, stock_err)
 
 
 def test_lora_input_upcast_is_skipped_only_under_autocast_and_changes_no_bit(monkeypatch):
@@ -391,3 +394,48 @@ def test_require_mode_on_cpu_names_every_op_that_would_fall_back():
     for op in ("gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention"):
         assert op in str(err.value)
     assert "fastqwen_kernels: auto" in str(err.value)
+
+
+def test_unpatch_restores_every_global_the_patch_touched(monkeypatch):
+    """Module globals and class attributes of every module the patch reaches (the modeling module,
+    peft's LoRA layers, fla's Hopper-guard module) are identical before the patch and after
+    unpatch_model, with a training step in between; fla's guard included, as the GPU self-check
+    lifts it (simulated here: on this CPU the guard's Triton test cannot be true, so fla's global is
+    set to what Triton 3.6 gives before the snapshot)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import layer as lora_layer
+
+    from axolotl_fastqwen.kernels import hopper_guard
+
+    chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+    model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=4, target_modules=LORA_TARGETS))
+    modeling = __import__(type(model.get_base_model()).__module__, fromlist=["_"])
+
+    def snapshot():
+        out = {}
+        for module in (modeling, lora_layer, chunk_o):
+            out[module.__name__] = dict(vars(module))
+            for obj in vars(module).values():
+                if isinstance(obj, type) and obj.__module__ == module.__name__:
+                    out[f"{module.__name__}.{obj.__name__}"] = dict(vars(obj))
+        instance = {name: {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
+                    for name, m in model.named_modules()}
+        return out, instance
+
+    def same(a, b):
+        assert a.keys() == b.keys(), set(a) ^ set(b)
+        for key in a:
+            changed = [k for k in set(a[key]) | set(b[key]) if a[key].get(k, KeyError) is not b[key].get(k, KeyError)]
+            assert not changed, (key, changed)
+
+    before = snapshot()
+    report = patch_model(model)
+    model(**packed_batch(sequences(model.config.vocab_size))).loss.backward()
+    hopper_guard.lift(report.kernels)  # what the self-check does when fla's GDN passes with the guard lifted
+    assert chunk_o.TRITON_ABOVE_3_7_1 is True
+    unpatch_model(model)
+    after = snapshot()
+    same(before[0], after[0])
+    same(before[1], after[1])
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False and not hopper_guard.lifted_by(report.kernels)

@@ -15,9 +15,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 
-from axolotl_fastqwen import stock  # noqa: E402
+from axolotl_fastqwen import registry, stock  # noqa: E402
 from axolotl_fastqwen.stock import stock_torch_kernels  # noqa: E402
-from axolotl_fastqwen.tools import tiny_assets as ta  # noqa: E402
+import tiny_assets as ta  # noqa: E402
+from axolotl_fastqwen.bench.shapes import scaled_mrope_section  # noqa: E402
 
 ALL_MODELS = ta.FAMILIES + tuple(ta.VL_FAMILIES)
 
@@ -31,7 +32,7 @@ def family(request):
 def stock_kernels(family):
     """fla is installed here and transformers dispatches to it even on CPU, where it crashes:
     run the modeling module on its own torch fallbacks for the duration of the test."""
-    with stock_torch_kernels(family) as module:
+    with stock_torch_kernels(ta.text_family(family)) as module:
         yield module
 
 
@@ -92,10 +93,10 @@ def test_config_has_the_real_layout(family):
 
 
 def test_scaled_mrope_section_keeps_the_real_proportions():
-    assert ta.scaled_mrope_section(64) == [11, 11, 10]  # the real 27B: rotary dim 64
-    assert ta.scaled_mrope_section(8) == [2, 1, 1]
-    assert ta.scaled_mrope_section(4) == [1, 1, 0]
-    assert sum(ta.scaled_mrope_section(24)) == 12
+    assert scaled_mrope_section(64) == [11, 11, 10]  # the real 27B: rotary dim 64
+    assert scaled_mrope_section(8) == [2, 1, 1]
+    assert scaled_mrope_section(4) == [1, 1, 0]
+    assert sum(scaled_mrope_section(24)) == 12
 
 
 def test_overrides_reach_the_config_and_keep_rope_valid():
@@ -163,7 +164,7 @@ def test_vision_tower_feeds_the_language_model():
     model = ta.build_tiny_model(ta.VL_FAMILY)
     inputs = _image_inputs(torch.arange(10, 22)[None])
     blank = dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))
-    with stock_torch_kernels(ta.VL_FAMILY), torch.no_grad():
+    with stock_torch_kernels(ta.text_family(ta.VL_FAMILY)), torch.no_grad():
         diff = (model(**inputs).logits - model(**blank).logits).abs().max()
     assert diff > 1e-2
 
@@ -393,7 +394,7 @@ def test_checkpoints_reload_offline_with_identical_weights(assets):
     for family in ta.FAMILIES:
         loaded = AutoModelForCausalLM.from_pretrained(paths[family], local_files_only=True)
         fresh = ta.build_tiny_model(family).state_dict()
-        assert type(loaded).__name__ == ta._CAUSAL_LM_CLASS_NAMES[family]
+        assert type(loaded).__name__ == registry.family(family).causal_lm
         state = loaded.state_dict()
         assert state.keys() == fresh.keys()
         assert all(torch.equal(state[k], fresh[k]) for k in fresh)

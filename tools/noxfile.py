@@ -2,7 +2,7 @@
 
     nox -f tools/noxfile.py -l          # list the cells
     nox -f tools/noxfile.py -s latest   # run one
-    nox -f tools/noxfile.py -t ci       # the cells CI runs (tools/test.sh calls this): all of them
+    nox -f tools/noxfile.py -t ci       # the cells CI runs (tools/test.sh calls this)
 
 Each cell is a fresh uv environment. The README's compatibility table records what each cell
 last gave.
@@ -60,6 +60,21 @@ def latest(session: nox.Session) -> None:
 def transformers_517(session: nox.Session) -> None:
     """The H200 image's stack: transformers 5.17.0, peft 0.21.0, fla 0.6.0, no Axolotl."""
     _without_axolotl(session, "transformers-5.17.txt")
+
+
+@nox.session(name="wheel", python=PYTHON, tags=["ci"])
+def wheel(session: nox.Session) -> None:
+    """The built wheel (not the checkout) installed beside Axolotl 0.21's stack in a fresh environment,
+    `axolotl train` of the tiny demo config with it; the wheel and sdist contents and `twine check`."""
+    dist = Path(session.create_tmp()) / "dist"
+    session.install("build>=1.2", "twine>=6", "uv>=0.9")
+    session.run("python", "-m", "build", "--installer", "uv", "--wheel", "--sdist", "--outdir", str(dist), str(ROOT))
+    session.run("twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
+    built = next(dist.glob("*.whl"))
+    session.install(f"{built}", "pytest>=8", "pyyaml", "-c", str(REQ / "axolotl-0.21.txt"))
+    session.chdir(session.create_tmp())  # not the repository: the import must find the wheel
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+                "-c", str(ROOT / "pyproject.toml"), str(ROOT / "tests" / "test_installed_wheel.py"), env=ENV)
 
 
 @nox.session(name="axolotl-0.21-transformers-5.24", python=PYTHON)

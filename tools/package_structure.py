@@ -56,9 +56,10 @@ def imports(root: Path, path: Path, type_checking: bool = False) -> set[str]:
             if isinstance(child, ast.Import):
                 out.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
+                # `from pkg import x`: the module pkg.x if there is one, else pkg (resolved in graph());
+                # a module's own parent packages are imported implicitly and are not counted
                 target = resolve(child.level, child.module)
-                out.add(target)
-                out.update(f"{target}.{a.name}" for a in child.names)  # `from pkg import module`
+                out.update(f"{target}.{a.name}" for a in child.names)
             elif (isinstance(child, ast.Constant) and isinstance(child.value, str)
                   and child.value.startswith(package + ".")):
                 literals.add(child.value)

@@ -52,4 +52,4 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; th
 fi
 
 # 4. Tiny random checkpoints, a locally trained tokenizer and a skewed dataset (no hub).
-.venv/bin/python -m axolotl_fastqwen.tools.tiny_assets --out .assets >&2
+.venv/bin/python tools/tiny_assets.py --out .assets >&2

@@ -39,34 +39,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..families.base import unwrap
-from ..stock import MODELING_MODULES
+from .. import registry
 from . import cpu_fla
 from .axolotl_import import axolotl_modules
 from .common import PathSkipped
 from .restore import Undo, changed_in_module, snapshot_module
 
 LOSSES = ("liger", "cce")
-MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next")
-# Axolotl 0.21's PatchManager._apply_linear_attention_packing_patches
-PACKING = {
-    "qwen3_5": ("axolotl.monkeypatch.models.qwen3_5.modeling", "patch_qwen3_5_modeling_packing"),
-    "qwen3_5_moe": ("axolotl.monkeypatch.models.qwen3_5.modeling", "patch_qwen3_5_moe_modeling_packing"),
-    "qwen3_next": ("axolotl.monkeypatch.models.qwen3_next.modeling", "patch_qwen3_next_modeling_packing"),
-}
-# Axolotl 0.21's PatchManager._apply_model_specific_patches (only under torch.cuda.is_available())
-FUSED_ATTN = {
-    "qwen3_5": ("axolotl.monkeypatch.models.qwen3_5.fused_attn", "patch_qwen3_5_fused_attn"),
-    "qwen3_5_moe": ("axolotl.monkeypatch.models.qwen3_5_moe.fused_attn", "patch_qwen3_5_moe_fused_attn"),
-}
-# LigerPlugin.pre_model_load: Axolotl's own functions for qwen3_5 / qwen3_5_moe (they add the gated
-# norm), Liger's MODEL_TYPE_TO_APPLY_LIGER_FN entry for everything else
-LIGER = {
-    "qwen3_5": ("axolotl.integrations.liger.models.qwen3_5", "apply_liger_kernel_to_qwen3_5"),
-    "qwen3_5_moe": ("axolotl.integrations.liger.models.qwen3_5_moe", "apply_liger_kernel_to_qwen3_5_moe"),
-    "qwen3_next": ("liger_kernel.transformers.monkey_patch", "apply_liger_kernel_to_qwen3_next"),
-}
-# the checkpoint config a user's `base_model` points at (Qwen3.5 checkpoints are the VL wrapper)
-CHECKPOINT_CONFIG = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "qwen3_next": None}
 LORA_KERNELS = "axolotl.monkeypatch.lora_kernels"
 SCATTERMOE = "axolotl.integrations.kernels.libs.scattermoe_lora"
 SDPA_VARLEN = "axolotl.monkeypatch.attention.sdpa_varlen"
@@ -137,7 +116,7 @@ def _checkpoint_dir(config, family: str) -> Iterator[str]:
     `get_attention_cls_from_config` reads it with AutoConfig; no weights)."""
     import transformers
 
-    name = CHECKPOINT_CONFIG[family]
+    name = registry.family(family).composite_config  # Qwen3.5 checkpoints are the VL wrapper
     text = config.to_dict()
     with tempfile.TemporaryDirectory(prefix="fastqwen-axolotl-best-") as folder:
         if name:
@@ -148,9 +127,10 @@ def _checkpoint_dir(config, family: str) -> Iterator[str]:
 
 
 def _modules_needed(family: str, loss: str, moe: bool) -> list[str]:
-    names = [PACKING[family][0], LORA_KERNELS, SDPA_VARLEN, MULTIPACK, "axolotl.utils.dict", LIGER[family][0]]
-    if family in FUSED_ATTN:
-        names.append(FUSED_ATTN[family][0])
+    axolotl = registry.family(family).axolotl
+    names = [axolotl.packing[0], LORA_KERNELS, SDPA_VARLEN, MULTIPACK, "axolotl.utils.dict", axolotl.liger[0]]
+    if axolotl.fused_attn:
+        names.append(axolotl.fused_attn[0])
     if moe:
         names += [f"{SCATTERMOE}.experts", f"{SCATTERMOE}.runtime"]
     if loss == "cce":
@@ -178,7 +158,9 @@ def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *
         raise ValueError(f"loss must be one of {LOSSES}")
     if importlib.util.find_spec("axolotl") is None:
         raise PathSkipped("Axolotl is not installed")
-    moe = family in MOE_FAMILIES
+    if registry.family(family).axolotl is None:
+        raise PathSkipped(f"Axolotl has no patches for {family}")
+    moe = registry.family(family).moe
     base = unwrap(model)
     info: dict = {"notes": [], "components": []}
     with axolotl_modules(_modules_needed(family, loss, moe)) as (mods, stood_in, errors), \
@@ -187,7 +169,7 @@ def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *
             raise PathSkipped(f"Axolotl does not import here: {errors.get('axolotl.utils.dict')}")
         cfg = best_config(family, loss, gc=gc, base_model=checkpoint, moe=moe)
         info["axolotl_config"] = {k: v for k, v in cfg.items() if k != "base_model"}
-        info["axolotl_config"]["base_model"] = f"(a folder with the {CHECKPOINT_CONFIG[family] or 'text'} config)"
+        info["axolotl_config"]["base_model"] = f"(a folder with the {registry.family(family).composite_config or 'text'} config)"
         if stood_in:
             info["stood_in"] = stood_in
             info["notes"].append(f"stood in for Axolotl's imports (bench/axolotl_import.py): {'; '.join(stood_in)}")
@@ -208,7 +190,8 @@ class _Setup:
         self.cfg, self.mods, self.errors, self.undo, self.info = cfg, mods, errors, undo, info
         self.loss, self.moe = loss, moe
         self.cuda = device.type == "cuda"
-        self.modeling = importlib.import_module(MODELING_MODULES[family])
+        self.axolotl = registry.family(family).axolotl
+        self.modeling = importlib.import_module(registry.family(family).modeling_module)
         self.components: list[Component] = []
 
     # ---------------------------------------------------------------- helpers
@@ -244,7 +227,7 @@ class _Setup:
 
         undo.interface(ALL_ATTENTION_FUNCTIONS)
         undo.interface(ALL_MASK_ATTENTION_FUNCTIONS)
-        for name in (PACKING[self.family][0], SDPA_VARLEN, LORA_KERNELS):
+        for name in (self.axolotl.packing[0], SDPA_VARLEN, LORA_KERNELS):
             if name in self.mods:
                 undo.module(self.mods[name])
 
@@ -282,7 +265,7 @@ class _Setup:
         return self._modeling_saved
 
     def packing(self) -> None:
-        module, name = PACKING[self.family]
+        module, name = self.axolotl.packing
         c = self.component("sample_packing (GDN packing patch)", f"{module}.{name}(torch_compile=False)")
 
         def act(c):
@@ -301,12 +284,12 @@ class _Setup:
         self.attempt(c, act)
 
     def fused_attn(self) -> None:
-        if self.family not in FUSED_ATTN:
+        if self.axolotl.fused_attn is None:
             self.component("fused_attn_kernel", "-").not_applicable(
                 f"Axolotl 0.21 has no fused q/k-norm + RoPE patch for {self.family} (its loader's set: qwen3, "
                 "qwen3_moe, qwen3_vl, qwen3_5, qwen3_5_moe, gemma4)")
             return
-        module, name = FUSED_ATTN[self.family]
+        module, name = self.axolotl.fused_attn
         c = self.component("fused_attn_kernel", f"{module}.{name}()")
         if not self.cuda:
             c.refused("Axolotl applies it only when torch.cuda.is_available() "
@@ -365,7 +348,7 @@ class _Setup:
         self.attempt(c, act)
 
     def liger(self) -> None:
-        module, name = LIGER[self.family]
+        module, name = self.axolotl.liger
         flags = ["liger_rms_norm", "liger_rms_norm_gated", "liger_glu_activation"]
         if self.loss == "liger":
             flags.append("liger_fused_linear_cross_entropy")

@@ -17,13 +17,14 @@ import sys
 
 import torch
 
-from ..kernels import CheckShapes, fla_hopper_guard_active, select_kernels, selfcheck
+from .. import registry
+from ..devices import from_arg
+from ..kernels import CheckShapes, hopper_guard, select_kernels, selfcheck
 from ..ops import availability
-from ..stock import MODELING_MODULES, resolved_kernel
+from ..stock import resolved_kernel
 from . import measure
 from .shapes import DEFAULT_SHAPE, SHAPES, build_config, get_shape
 
-HOPPER_BAD_TRITON = ("3.4.0", "3.7.1")  # fla#640: gated chunk_bwd_dqkwg miscompiles at block width 64
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -49,16 +50,6 @@ def _import_error(module: str) -> str | None:
     return None
 
 
-def _version_in(v: str | None, lo: str, hi: str) -> bool:
-    from packaging.version import Version
-
-    if not v:
-        return False
-    with contextlib.suppress(Exception):
-        return Version(lo) <= Version(v.split("+")[0]) < Version(hi)
-    return False
-
-
 def _kernel_table(kernels) -> list[dict]:
     return [
         {"op": op, "backend": c.backend.name, "fallback": c.backend.fallback, "selfcheck": c.selfcheck,
@@ -77,15 +68,16 @@ def known_problems(device: torch.device, versions: dict) -> list[dict]:
     # fla's Hopper guard against the installed Triton
     triton = versions.get("triton")
     if versions.get("fla"):
-        in_range = _version_in(triton, *HOPPER_BAD_TRITON)
-        if fla_hopper_guard_active():
+        lo, hi = hopper_guard.TRITON_AFFECTED
+        in_range = hopper_guard.triton_affected()
+        if hopper_guard.active():
             add("warn", "fla Hopper guard",
                 f"active here (Hopper GPU, Triton {triton}): fla raises in its gated GDN backward (fla#640). "
                 "The plugin's self-check runs the kernel at the model's head dims with the guard lifted and "
                 "uses it only if it matches the fp32 reference; stock transformers + fla would crash in backward.")
         elif in_range:
             add("warn", "fla Hopper guard",
-                f"Triton {triton} is in fla's refused range [{HOPPER_BAD_TRITON[0]}, {HOPPER_BAD_TRITON[1]}): on "
+                f"Triton {triton} is in fla's refused range [{lo}, {hi}): on "
                 "a Hopper GPU (H100/H200) fla would raise in its gated GDN backward (fla#640); the plugin's "
                 "self-check decides by running it (head dim 128 measured correct on an H200 with Triton 3.6).")
         else:
@@ -96,9 +88,10 @@ def known_problems(device: torch.device, versions: dict) -> list[dict]:
         add("bad", "fla", f"fla {fla_dist} is installed but does not import: {_import_error('fla')} "
             "(a Triton it does not support? fla 0.5.2 fails with Triton 3.9: pin triton<3.9)")
     # transformers resolves fla even without a GPU
-    for family, module in MODELING_MODULES.items():
+    for family in registry.families():
+        module = family.modeling_module
         with contextlib.suppress(Exception):
-            chosen = resolved_kernel(family, "torch_chunk_gated_delta_rule")
+            chosen = resolved_kernel(module, "torch_chunk_gated_delta_rule")
             if chosen != "torch" and device.type != "cuda":
                 add("bad", "transformers on CPU",
                     f"{module} resolved its gated delta rule to {chosen} at import although there is no GPU: the "
@@ -131,7 +124,7 @@ def known_problems(device: torch.device, versions: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = from_arg(args.device)
     versions = availability.versions()
     versions["driver"] = measure.driver_version()
     versions["python"] = sys.version.split()[0]
@@ -184,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row['op']:<22} {row['backend']:<14} {why}", flush=True)
 
     findings["stock_resolution"] = {}
-    for family in MODELING_MODULES:
+    for family in registry.families():
         with contextlib.suppress(Exception):
-            findings["stock_resolution"][family] = {
-                name: resolved_kernel(family, name) for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+            findings["stock_resolution"][family.name] = {
+                name: resolved_kernel(family.modeling_module, name)
+                for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
             }
     print("\nstock transformers resolved (at import): " + "; ".join(
         f"{fam}: {res}" for fam, res in findings["stock_resolution"].items()), flush=True)

@@ -23,10 +23,11 @@ import torch
 
 from .. import patch_model, unpatch_model
 from ..families.base import unwrap
-from ..stock import MODELING_MODULES, resolved_kernel, stock_torch_kernels
+from .. import registry
+from ..stock import resolved_kernel, stock_torch_kernels
 from . import cpu_fla
 from .common import PathSkipped
-from .axolotl_best import MOE_FAMILIES, axolotl_best
+from .axolotl_best import axolotl_best
 from .axolotl_import import import_axolotl_patch
 from .restore import Undo, changed_in_module
 
@@ -93,11 +94,6 @@ EXECUTION_ORDER = (
 REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
 EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm"}
 
-_AXOLOTL_PATCHES = {
-    "qwen3_5": ("axolotl.monkeypatch.models.qwen3_5.modeling", "patch_qwen3_5_modeling_packing"),
-    "qwen3_5_moe": ("axolotl.monkeypatch.models.qwen3_5.modeling", "patch_qwen3_5_moe_modeling_packing"),
-    "qwen3_next": ("axolotl.monkeypatch.models.qwen3_next.modeling", "patch_qwen3_next_modeling_packing"),
-}
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
 
@@ -127,7 +123,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     """Set the model up for path `name`; yields an info dict the path's record keeps."""
     info: dict = {"notes": []}
     if name in EXPERTS_PATHS:
-        if family not in MOE_FAMILIES:
+        if not registry.family(family).moe:
             raise PathSkipped(f"{family} is a dense model: no experts")
         with stock_torch_kernels(family), experts_implementation(model, EXPERTS_PATHS[name]) as how:
             info["stock_kernels"] = stock_kernels(family)
@@ -235,11 +231,11 @@ def _selfcheck_now(report, model) -> None:
     """Run the plugin's GPU kernel self-check now, before the path's calibration forward, so that
     its kernel runs (and any autotuning they trigger) are not counted in the calibration time."""
     from ..families.base import unwrap
+    from ..decoder_hook import check_shapes
     from ..kernels import selfcheck
-    from ..patching import _check_shapes
 
     with torch.enable_grad():
-        selfcheck(report.kernels, _check_shapes(unwrap(model)))
+        selfcheck(report.kernels, check_shapes(unwrap(model)))
 
 
 @contextlib.contextmanager
@@ -267,15 +263,15 @@ def experts_implementation(model: torch.nn.Module, impl: str) -> Iterator[str]:
 @contextlib.contextmanager
 def axolotl_patch(family: str, device: torch.device | None = None) -> Iterator[list[str]]:
     """Apply Axolotl's class-level packing patch; restore the modeling module exactly afterwards."""
-    if family not in _AXOLOTL_PATCHES:
+    if registry.family(family).axolotl is None:
         raise PathSkipped(f"Axolotl has no packing patch for {family}")
-    module_name, fn_name = _AXOLOTL_PATCHES[family]
+    module_name, fn_name = registry.family(family).axolotl.packing
     try:
         patch_module, stood_in = import_axolotl_patch(module_name)
         apply = getattr(patch_module, fn_name)
     except Exception as exc:  # a partial Axolotl install (GPU machine) is expected
         raise PathSkipped(f"import {module_name}.{fn_name} failed: {type(exc).__name__}: {str(exc)[:300]}") from None
-    modeling = importlib.import_module(MODELING_MODULES[family])
+    modeling = importlib.import_module(registry.family(family).modeling_module)
     undo = Undo()
     saved = undo.module(modeling)
     try:

@@ -133,9 +133,9 @@ class Setup:
 
 
 def resolve_device(args) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    from ..devices import from_arg
+
+    device = from_arg(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype or "")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -236,13 +236,14 @@ def check_shapes(config, dtype: torch.dtype):
 
 
 def fla_guard_decision(args, config, device: torch.device, dtype: torch.dtype) -> str:
-    """fla refuses its gated GDN backward on Hopper with Triton 3.4-3.7.0 (fla#640), which would fail
-    every fla path at its first backward. Decide once, for all paths alike, the way the plugin does:
-    run the plugin's GPU self-check at this model's head dims; if fla's GDN passes with the guard
-    lifted, the guard stays lifted for the whole run (as the reference baseline did)."""
-    from ..kernels import fla_hopper_guard_active, select_kernels, selfcheck
+    """fla refuses its gated GDN backward on Hopper with some Triton releases (fla#640,
+    kernels/hopper_guard.py), which would fail every fla path at its first backward. Decide once,
+    for all paths alike, the way the plugin does: run the plugin's GPU self-check at this model's
+    head dims; if fla's GDN passes with the guard lifted, the guard stays lifted for the whole run
+    (its owner, this decision's kernel set, never releases it)."""
+    from ..kernels import hopper_guard, select_kernels, selfcheck
 
-    if device.type != "cuda" or not fla_hopper_guard_active():
+    if device.type != "cuda" or not hopper_guard.active():
         return "not active"
     if args.keep_fla_guard:
         return "active, kept (--keep-fla-guard): fla's gated GDN backward raises, so fla paths are expected to fail"
@@ -257,7 +258,7 @@ def fla_guard_decision(args, config, device: torch.device, dtype: torch.dtype) -
     choice = kernels.choices["gated_delta_rule"]
     verdict = (f"lifted for all paths: fla's GDN passed the self-check at K={config.linear_key_head_dim}, "
                f"V={config.linear_value_head_dim} ({choice.selfcheck})"
-               if not fla_hopper_guard_active() else
+               if not hopper_guard.active() else
                f"kept: fla's GDN did not pass the self-check ({'; '.join(w for _, w in choice.rejected)[:300]})")
     log(f"[setup] fla Hopper guard (fla#640, Triton {measure_triton_version()}): {verdict}")
     return verdict

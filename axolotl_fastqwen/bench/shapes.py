@@ -19,22 +19,74 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import registry
+
 FULL_ATTENTION_EVERY = 4  # layers 3, 7, 11, ... are full attention; the rest Gated DeltaNet
 
-_CONFIG_CLASSES = {
-    "qwen3_5": "Qwen3_5TextConfig",
-    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
-    "qwen3_next": "Qwen3NextConfig",
-}
-_CAUSAL_LM_CLASSES = {
-    "qwen3_5": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM",
-}
-_MROPE = dict(mrope_section=[11, 11, 10], mrope_interleaved=True)
-_ROPE_35 = dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25, **_MROPE)
-_ROPE_NEXT = dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25)
-_GDN_128 = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+# Toy-size models (CPU smoke runs of the bench; tools/tiny_assets.py builds the test models from
+# the same numbers): the real architectures at hidden 64.
+TOY_TEXT = dict(
+    hidden_size=64,
+    # Gated full attention, GQA 4 q / 2 kv. head_dim 32 -> rotary dim 8 -> 4 frequencies, the
+    # smallest size at which all three interleaved MRoPE sections (T, H, W) are non-empty.
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    # Gated DeltaNet with grouped value heads (2 v per k; the 27B has 48 v / 16 k).
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=32768,
+    # ~1/sqrt(hidden): every sub-layer contributes O(1) to the residual stream, so a kernel bug
+    # in any layer shows in the logits (the 0.02 default leaves a 64-wide model nearly linear).
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+TOY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+TOY_VOCAB = 512
+REAL_MROPE_SECTION = (11, 11, 10)
+
+
+def scaled_mrope_section(rotary_dim: int, real: tuple[int, ...] = REAL_MROPE_SECTION) -> list[int]:
+    """Scale the real [11, 11, 10] section to ``rotary_dim // 2`` frequencies (largest remainder).
+
+    The text rotary embedding interleaves T/H/W over ``rotary_dim // 2`` frequencies using the
+    section lengths, so their sum must match the toy rotary dim or the model will not run.
+    """
+    n_freq = rotary_dim // 2
+    if n_freq < 1:
+        raise ValueError(f"rotary_dim {rotary_dim} has no frequencies")
+    total = sum(real)
+    exact = [s * n_freq / total for s in real]
+    section = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(real)), key=lambda i: (-(exact[i] - section[i]), i))
+    for i in by_remainder[: n_freq - sum(section)]:
+        section[i] += 1
+    return section
+
+
+def toy_config(family: str, *, vocab_size: int = TOY_VOCAB, num_hidden_layers: int = 4, **overrides):
+    """A toy-size text config of `family` with the real layer pattern (3 GDN : 1 full attention).
+
+    `overrides` replace any field. Unless `rope_parameters` is overridden, the MRoPE section is
+    recomputed from the final head_dim, so overriding the head size keeps it valid."""
+    import transformers
+
+    fam = registry.family(family)
+    kwargs = dict(TOY_TEXT, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers)
+    if fam.moe:
+        kwargs.update(TOY_MOE)
+    kwargs.update(dict(fam.toy))
+    kwargs.update(overrides)
+    if "rope_parameters" not in overrides:
+        partial = kwargs.pop("partial_rotary_factor", 0.25)
+        rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": partial}
+        if fam.mrope:
+            rope.update(mrope_section=scaled_mrope_section(int(kwargs["head_dim"] * partial)), mrope_interleaved=True)
+        kwargs["rope_parameters"] = rope
+    return getattr(transformers, fam.text_config)(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -47,38 +99,19 @@ class ModelShape:
     tiny: bool = False
 
 
-SHAPES: dict[str, ModelShape] = {
-    s.name: s
-    for s in (
-        ModelShape(
-            "qwen3.5-27b", "qwen3_5", 64,
-            dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
-                 head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, vocab_size=248_320,
-                 tie_word_embeddings=False, rope_parameters=_ROPE_35, **_GDN_128),
-            "Qwen3.5/3.6-27B dense: hidden 5120, [3 GDN, 1 full] x16, 24q/4kv x256, GDN 16k/48v x128",
-        ),
-        ModelShape(
-            "qwen3.5-35b-a3b", "qwen3_5_moe", 40,
-            dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                 linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                 moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248_320,
-                 tie_word_embeddings=False, rope_parameters=_ROPE_35, **_GDN_128),
-            "Qwen3.5-35B-A3B MoE: hidden 2048, 40 layers, 16q/2kv x256, GDN 16k/32v x128, 256 experts top-8",
-        ),
-        ModelShape(
-            "qwen3-next-80b-a3b", "qwen3_next", 48,
-            dict(hidden_size=2048, intermediate_size=5120, num_attention_heads=16, num_key_value_heads=2,
-                 head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512,
-                 num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, vocab_size=151_936,
-                 tie_word_embeddings=False, rope_parameters=_ROPE_NEXT, **_GDN_128),
-            "Qwen3-Next-80B-A3B: hidden 2048, 48 layers, 512 experts top-10, fused in_proj_qkvz/ba",
-        ),
-        ModelShape("tiny", "qwen3_5", 4, description="toy qwen3_5 (hidden 64) for CPU smoke runs", tiny=True),
-        ModelShape("tiny-moe", "qwen3_5_moe", 4, description="toy qwen3_5_moe for CPU smoke runs", tiny=True),
-        ModelShape("tiny-next", "qwen3_next", 4, description="toy qwen3_next for CPU smoke runs", tiny=True),
-    )
-}
+def _shapes() -> dict[str, ModelShape]:
+    out = {}
+    for fam in registry.families():
+        for shape in fam.shapes:
+            out[shape.name] = ModelShape(shape.name, fam.name, shape.layers, shape.config, shape.description)
+    toy_names = {"qwen3_5": "tiny", "qwen3_5_moe": "tiny-moe", "qwen3_next": "tiny-next"}
+    for fam in registry.families():
+        name = toy_names.get(fam.name, f"tiny-{fam.name}")
+        out[name] = ModelShape(name, fam.name, 4, description=f"toy {fam.name} (hidden 64) for CPU smoke runs", tiny=True)
+    return out
+
+
+SHAPES: dict[str, ModelShape] = _shapes()
 DEFAULT_SHAPE = "qwen3.5-27b"
 
 
@@ -101,11 +134,9 @@ def build_config(shape: ModelShape, layers: int | None = None, attn_implementati
     if n < 1:
         raise ValueError(f"--layers must be >= 1, got {n}")
     if shape.tiny:
-        from ..tools.tiny_assets import tiny_config
-
-        config = tiny_config(shape.family, num_hidden_layers=n, layer_types=layer_types(n))
+        config = toy_config(shape.family, num_hidden_layers=n, layer_types=layer_types(n))
     else:
-        config = getattr(transformers, _CONFIG_CLASSES[shape.family])(
+        config = getattr(transformers, registry.family(shape.family).text_config)(
             num_hidden_layers=n, layer_types=layer_types(n), **shape.config
         )
     config.use_cache = False  # training: no cache (a cache silently disables packed masks)
@@ -194,7 +225,7 @@ def build_model(config, family: str, device: torch.device, dtype: torch.dtype, s
     `init_weights_`. Returns (model, seconds)."""
     import transformers
 
-    cls = getattr(transformers, _CAUSAL_LM_CLASSES[family])  # (a lazy import: not part of the build time)
+    cls = getattr(transformers, registry.family(family).causal_lm)  # (a lazy import: not part of the build time)
     start = time.perf_counter()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -210,29 +241,19 @@ def build_model(config, family: str, device: torch.device, dtype: torch.dtype, s
 
 
 def lora_targets(family: str) -> list[str]:
-    """The projections the brief's LoRA adapts (peft `target_modules`): attention q/k/v/o, the GDN
-    projections and the MLP (MoE: the shared expert), as in the examples/ configs.
-
-    qwen3_5 / qwen3_5_moe: `gate_proj` / `up_proj` / `down_proj` are the dense MLP / the shared
-    expert (the routed experts are 3D parameters that `target_modules` does not reach).
-    qwen3_next: Qwen3-Next fuses q|k|v|z into `in_proj_qkvz`; and for model_type qwen3_next peft
-    0.21 rewrites gate/up/down_proj (even `shared_expert.gate_proj`) into LoRA on the routed
-    experts' 3D parameters (its v4 -> v5 MoE conversion), leaving the shared expert bare: so they
-    are left out here (`--lora-experts` adds the routed experts explicitly).
-    """
-    attention = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj"]
-    if family == "qwen3_next":
-        return attention + ["in_proj_qkvz"]
-    return attention + ["gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z"]
+    """The projections the benchmark's LoRA adapts (peft `target_modules`): the family's own list,
+    the same as its examples/ configs (families/*.py say why each is in or out)."""
+    return list(registry.family(family).lora_targets)
 
 
 def lora_target_parameters(family: str, experts: bool) -> list[str]:
     """peft `target_parameters` for LoRA on the routed experts' 3D weights (`--lora-experts`)."""
     if not experts:
         return []
-    if family not in ("qwen3_5_moe", "qwen3_next"):
+    fam = registry.family(family)
+    if not fam.expert_parameters:
         raise ValueError(f"--lora-experts needs an MoE shape; {family} has no routed experts")
-    return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return list(fam.expert_parameters)
 
 
 def matmul_params_per_token(config) -> dict[str, int]:

@@ -83,7 +83,7 @@ def router_aux_loss(model, patch, router_logits, stock_aux):
     if len(boundaries.padding_segments) == boundaries.num_sequences:
         return torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
     mask = boundaries.real_token_mask()
-    return patch.family.module().load_balancing_loss_func(
+    return patch.family.load_balancing_loss()(
         router_logits, _moe_setting(model, "num_experts"), _moe_setting(model, "num_experts_per_tok"), mask
     )
 

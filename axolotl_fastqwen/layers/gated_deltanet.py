@@ -20,7 +20,7 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None,
     if cache_params is not None:
         # Generation with a recurrent cache (prefill + decode) keeps the stock path; on a CPU on
         # transformers' own PyTorch functions (the fla kernels it resolved at import would crash).
-        with stock_kernels_on_cpu(patch.family.modeling_module, hidden_states.device):
+        with stock_kernels_on_cpu(patch.family.module, hidden_states.device):
             return patch.original_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask,
                                           **kwargs)
     kernels = patch.kernels

@@ -1,7 +1,18 @@
-"""Kernels behind the fused Qwen hybrid layers.
+"""Kernels behind the fused Qwen hybrid layers: one module per op.
 
-One module per op. Each offers the fast library kernels (fla, causal-conv1d, PyTorch varlen
-attention) and a boundary-correct fp32 PyTorch reference, which is both the CPU path and the
-oracle of the self-check. Layers never import a kernel library directly: they call these ops with
-a backend name chosen once, at patch time.
+Each op module holds its implementations (the fast library kernels: fla, causal-conv1d, PyTorch
+varlen attention, Liger; and a boundary-correct fp32 PyTorch reference, which is both the CPU path
+and the oracle of the self-check), its `BACKENDS`, and its `SPEC` (the reference and the
+self-check's inputs at a model's head shapes). Layers never import a kernel library directly: they
+call the op through the `KernelSet` chosen at patch time.
 """
+
+from . import causal_conv, gated_delta_rule, gated_rmsnorm, linear_cross_entropy, varlen_attention
+from .backend import OpSpec
+
+# the order of the report's table
+SPECS: dict[str, OpSpec] = {
+    m.SPEC.name: m.SPEC for m in (gated_delta_rule, causal_conv, gated_rmsnorm, varlen_attention, linear_cross_entropy)
+}
+OPS = tuple(SPECS)
+MODULES = (gated_delta_rule, causal_conv, gated_rmsnorm, varlen_attention, linear_cross_entropy)

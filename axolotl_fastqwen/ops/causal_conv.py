@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from ..hookspecs import hookimpl
+from . import availability
+from .backend import CheckShapes, KernelBackend, OpSpec, always, generator, on_cuda_with, randn
+
 
 def causal_conv1d_cuda(x, weight, bias, *, activation, boundaries):
     """causal-conv1d's CUDA kernel; sequence starts through `seq_idx`. x `[B, T, D]`, weight `[D, W]`."""
@@ -58,3 +62,30 @@ def reference_causal_conv(x, weight, bias=None, *, activation=None, boundaries=N
     if activation is not None:
         out = F.silu(out)
     return out.to(x.dtype)
+
+
+def check_inputs(shapes: CheckShapes, device, tokens: int):
+    """The conv input [1, T, conv_dim] and its depthwise weight [conv_dim, width]; SiLU on."""
+    gen = generator(device)
+    D = 2 * shapes.key_heads * shapes.key_dim + shapes.value_heads * shapes.value_dim
+    return [randn(gen, device, 1, tokens, D), randn(gen, device, D, shapes.conv_width, scale=0.5)], {"activation": "silu"}
+
+
+def bind(fn, boundaries, extra):
+    return lambda x, w: fn(x, w, None, boundaries=boundaries, **extra)
+
+
+SPEC = OpSpec("causal_conv", reference="torch", check_inputs=check_inputs, bind=bind)
+_FLA = on_cuda_with(availability.has_fla, "pip install 'axolotl-fastqwen[kernels]'")
+BACKENDS = (
+    KernelBackend("causal_conv", "causal-conv1d", causal_conv1d_cuda, 100,
+                  on_cuda_with(availability.has_causal_conv1d, "build causal-conv1d: README, 'Kernels on a GPU machine'"),
+                  "causal_conv1d"),
+    KernelBackend("causal_conv", "fla-triton", fla_triton_causal_conv, 50, _FLA, "fla"),
+    KernelBackend("causal_conv", "torch", reference_causal_conv, 0, always, fallback=True),
+)
+
+
+@hookimpl
+def fastqwen_kernel_backends():
+    return list(BACKENDS)

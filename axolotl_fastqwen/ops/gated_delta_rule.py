@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..hookspecs import hookimpl
+from . import availability
+from .backend import CheckShapes, KernelBackend, OpSpec, always, generator, on_cuda_with, randn
+
 
 def fla_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, *, boundaries):
     """fla's chunk kernel, with the L2 norm, decay gate, beta sigmoid and grouped value heads
@@ -139,3 +143,29 @@ def naive_recurrence(q, k, v, a, b, A_log, dt_bias):
         state = state + torch.einsum("hk,hv->hkv", kn[t], (vv[t] - pred) * beta[t][:, None])
         out[t] = torch.einsum("hkv,hk->hv", state, qn[t])
     return out[None]
+
+
+def check_inputs(shapes: CheckShapes, device, tokens: int):
+    """q, k (native key heads), v, a, b, A_log, dt_bias of `tokens` packed tokens."""
+    gen, T = generator(device), tokens
+    Hk, Hv, K, V = shapes.key_heads, shapes.value_heads, shapes.key_dim, shapes.value_dim
+    return [randn(gen, device, 1, T, Hk, K), randn(gen, device, 1, T, Hk, K), randn(gen, device, 1, T, Hv, V),
+            randn(gen, device, 1, T, Hv), randn(gen, device, 1, T, Hv), randn(gen, device, Hv, scale=0.5),
+            randn(gen, device, Hv, scale=0.5)], {}
+
+
+def bind(fn, boundaries, extra):
+    return lambda q, k, v, a, b, A_log, dt: fn(q, k, v, a, b, A_log, dt, boundaries=boundaries)
+
+
+SPEC = OpSpec("gated_delta_rule", reference="torch", check_inputs=check_inputs, bind=bind)
+BACKENDS = (
+    KernelBackend("gated_delta_rule", "fla", fla_gated_delta_rule, 100,
+                  on_cuda_with(availability.has_fla, "pip install 'axolotl-fastqwen[kernels]'"), "fla"),
+    KernelBackend("gated_delta_rule", "torch", reference_gated_delta_rule, 0, always, fallback=True),
+)
+
+
+@hookimpl
+def fastqwen_kernel_backends():
+    return list(BACKENDS)

@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..hookspecs import hookimpl
+from . import availability
+from .backend import CheckShapes, KernelBackend, OpSpec, always, generator, on_cuda_with, randn
+
+
 def fla_gated_rmsnorm(x, z, weight, *, eps):
     """fla's fused gated RMSNorm (one kernel each way). x, z `[..., D]`, weight `[D]`."""
     try:
@@ -29,3 +34,27 @@ def reference_gated_rmsnorm(x, z, weight, *, eps):
     h = weight * h.to(dtype)
     h = h * F.silu(z.float())
     return h.to(dtype)
+
+
+def check_inputs(shapes: CheckShapes, device, tokens: int):
+    """x, z [1, T, Hv, Dv] and a weight near 1 (the trained gated norm's range)."""
+    gen, Hv, Dv = generator(device), shapes.value_heads, shapes.value_dim
+    return [randn(gen, device, 1, tokens, Hv, Dv), randn(gen, device, 1, tokens, Hv, Dv),
+            1 + randn(gen, device, Dv, scale=0.1)], {"eps": 1e-6}
+
+
+def bind(fn, boundaries, extra):
+    return lambda x, z, w: fn(x, z, w, **extra)
+
+
+SPEC = OpSpec("gated_rmsnorm", reference="torch", check_inputs=check_inputs, bind=bind)
+BACKENDS = (
+    KernelBackend("gated_rmsnorm", "fla", fla_gated_rmsnorm, 100,
+                  on_cuda_with(availability.has_fla, "pip install 'axolotl-fastqwen[kernels]'"), "fla"),
+    KernelBackend("gated_rmsnorm", "torch", reference_gated_rmsnorm, 0, always, fallback=True),
+)
+
+
+@hookimpl
+def fastqwen_kernel_backends():
+    return list(BACKENDS)

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..hookspecs import hookimpl
+from . import availability
+from .backend import CheckShapes, KernelBackend, OpSpec, always, generator, on_cuda_with, randn
+
 IGNORE_INDEX = -100
 # Elements of fp32 logits held at once (~1 GiB): 1,081 tokens at a 248k vocabulary.
 CHUNK_ELEMENTS = 1 << 28
@@ -64,16 +68,19 @@ def liger_linear_cross_entropy(
 
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # Liger 0.8.4 rescales grads assuming unit column stride
     t = targets.reshape(-1).to(h.device).contiguous()
-    if torch.is_grad_enabled() and weight.requires_grad and not h.requires_grad:
-        # Liger computes no weight gradient unless the input needs one: lm_head's would be lost
-        return linear_cross_entropy(hidden, weight, targets, num_items_in_batch=num_items_in_batch,
-                                    ignore_index=ignore_index, chunk_tokens=chunk_tokens)
     # reduction="sum" over our own normalizer (Liger's "mean" cannot take num_items_in_batch);
     # lm_head's gradient (full fine-tuning) accumulated in fp32, as the torch path does.
     loss = liger_fused_linear_cross_entropy(
         h, weight.contiguous(), t, ignore_index=ignore_index, reduction="sum", accum_dtype=torch.float32
     )
     return loss / _normalizer(t, num_items_in_batch, ignore_index, torch.float32)
+
+
+def liger_limits(hidden, weight, targets, **kwargs) -> str | None:
+    """Liger computes no weight gradient unless its input needs one: lm_head's would be lost."""
+    if torch.is_grad_enabled() and weight.requires_grad and not hidden.requires_grad:
+        return "a trainable lm_head under frozen hidden states (Liger would give lm_head no gradient)"
+    return None
 
 
 def _normalizer(t: torch.Tensor, num_items_in_batch, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
@@ -138,3 +145,35 @@ def reference_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, num_ite
         reduction=reduction,
     )
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+# The loss is checked at a small hidden size and vocabulary (the real 248k-wide fp32 reference would
+# take GBs), wider than Liger's 32,768-column block so that its loop over blocks and masked tail run.
+CHECK_HIDDEN, CHECK_VOCAB = 256, 40_000
+
+
+def check_inputs(shapes: CheckShapes, device, tokens: int):
+    """hidden [T, H], lm_head [V, H] (logits ~ N(0, 4)) and targets with every fifth ignored."""
+    gen, H, V = generator(device), CHECK_HIDDEN, CHECK_VOCAB
+    targets = torch.randint(0, V, (tokens,), generator=gen, device=device)
+    targets[::5] = IGNORE_INDEX  # ignored tokens must get no loss and no gradient
+    return [randn(gen, device, tokens, H), randn(gen, device, V, H, scale=2 * H**-0.5), targets], {}
+
+
+def bind(fn, boundaries, extra):
+    return lambda hidden, weight, targets: fn(hidden, weight, targets, **extra)
+
+
+# torch-chunked is exact in fp32 yet fast enough that `require` need not refuse it: the oracle, not a fallback
+SPEC = OpSpec("linear_cross_entropy", reference="torch-chunked", check_inputs=check_inputs, bind=bind)
+BACKENDS = (
+    KernelBackend("linear_cross_entropy", "liger", liger_linear_cross_entropy, 100,
+                  on_cuda_with(availability.has_liger, "pip install liger-kernel"), "liger_kernel", limits=liger_limits),
+    # chunked matmuls: cuBLAS does the work; the CPU path, and a sound GPU one
+    KernelBackend("linear_cross_entropy", "torch-chunked", linear_cross_entropy, 0, always),
+)
+
+
+@hookimpl
+def fastqwen_kernel_backends():
+    return list(BACKENDS)

@@ -12,6 +12,10 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from ..hookspecs import hookimpl
+from . import availability
+from .backend import CheckShapes, KernelBackend, OpSpec, always, generator, on_cuda_with, randn
+
 
 def flash_attn_varlen(q, k, v, *, boundaries, scale, dropout=0.0):
     """flash-attn's varlen kernel. q `[T, Hq, D]`, k/v `[T, Hkv, D]`; returns `[T, Hq, D]`."""
@@ -22,10 +26,17 @@ def flash_attn_varlen(q, k, v, *, boundaries, scale, dropout=0.0):
 
 
 def torch_varlen(q, k, v, *, boundaries, scale, dropout=0.0):
-    """PyTorch's varlen attention; it has no dropout and no fp32, so those go to the reference."""
-    if dropout or q.dtype not in (torch.bfloat16, torch.float16):
-        return reference_varlen_attention(q, k, v, boundaries=boundaries, scale=scale, dropout=dropout)
+    """PyTorch's varlen attention (bf16/fp16, no dropout: `torch_varlen_limits`)."""
     return _torch_varlen(q, k, v, boundaries, scale)
+
+
+def torch_varlen_limits(q, k, v, *, boundaries=None, scale=None, dropout=0.0) -> str | None:
+    """PyTorch's varlen kernel has no attention dropout and no fp32: such calls run the reference."""
+    if dropout:
+        return f"attention dropout {dropout:g} (PyTorch's varlen attention has none)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(q.dtype).replace('torch.', '')} inputs (PyTorch's varlen attention runs bf16/fp16 only)"
+    return None
 
 
 @functools.cache
@@ -68,3 +79,30 @@ def reference_varlen_attention(q, k, v, *, boundaries, scale, dropout=0.0):
         o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def check_inputs(shapes: CheckShapes, device, tokens: int):
+    """q [T, Hq, D], k and v [T, Hkv, D] of a packed row."""
+    gen, D = generator(device), shapes.head_dim
+    return [randn(gen, device, tokens, shapes.q_heads, D), randn(gen, device, tokens, shapes.kv_heads, D),
+            randn(gen, device, tokens, shapes.kv_heads, D)], {"scale": D**-0.5}
+
+
+def bind(fn, boundaries, extra):
+    return lambda q, k, v: fn(q, k, v, boundaries=boundaries, **extra)
+
+
+SPEC = OpSpec("varlen_attention", reference="torch", check_inputs=check_inputs, bind=bind)
+BACKENDS = (
+    KernelBackend("varlen_attention", "flash-attn", flash_attn_varlen, 100,
+                  on_cuda_with(availability.has_flash_attn, "pip install flash-attn"), "flash_attn"),
+    KernelBackend("varlen_attention", "torch-varlen", torch_varlen, 50,
+                  on_cuda_with(availability.has_torch_varlen, "needs torch>=2.10 with torch.nn.attention.varlen"),
+                  limits=torch_varlen_limits),
+    KernelBackend("varlen_attention", "torch", reference_varlen_attention, 0, always, fallback=True),
+)
+
+
+@hookimpl
+def fastqwen_kernel_backends():
+    return list(BACKENDS)

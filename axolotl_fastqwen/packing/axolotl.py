@@ -14,8 +14,8 @@ import types
 
 import numpy as np
 
-from .collator import PackedCollator
-from .planner import Piece, overlong_message
+from .collator import PackedCollator, resolve_item
+from .planner import Piece, overlong_message, pieces
 from .sampler import PackedBatchSampler
 from .stats import packing_stats
 
@@ -56,7 +56,9 @@ def fit_to_budget(dataset, token_budget: int, mode: str, describe=None) -> tuple
 
     `error` raises, naming the samples (`describe(index)` says where each comes from); `truncate`
     keeps each overlong sample's first `token_budget` tokens; `split` makes consecutive pieces of
-    at most `token_budget` tokens, each its own sample (position_ids restart in each piece).
+    at most `token_budget` tokens, each its own sample (position_ids restart in each piece). The
+    pieces are the planner's (`planner.pieces`), cut as `PieceDataset` cuts them (`resolve_item`):
+    materialised here because Axolotl's dataloader wants a `datasets.Dataset`.
     """
     lengths = _lengths(dataset)
     over = lengths > token_budget
@@ -65,33 +67,24 @@ def fit_to_budget(dataset, token_budget: int, mode: str, describe=None) -> tuple
         return dataset, cut
     if mode == "error":
         raise ValueError(overlong_message(lengths, token_budget, describe))
+    sample, start, stop, _ = pieces(lengths, token_budget, mode)
     if mode == "truncate":
         cut["tokens_dropped"] = int((lengths[over] - token_budget).sum())
     else:
-        cut["pieces"] = int((-(-lengths[over] // token_budget)).sum())
-    columns = [c for c in ("input_ids", "labels", "attention_mask", "position_ids") if c in dataset.column_names]
+        cut["pieces"] = int(np.isin(sample, np.flatnonzero(over)).sum())
+    rows = dataset.select(sample.tolist())
+    bounds = np.stack([start, stop], axis=1).tolist()
 
-    def cut_rows(batch):
-        out = {c: [] for c in batch}
-        for i in range(len(batch["input_ids"])):
-            n = len(batch["input_ids"][i])
-            stops = [min(n, token_budget)] if mode == "truncate" else range(token_budget, n + token_budget, token_budget)
-            start = 0
-            for stop in stops:
-                stop = min(stop, n)
-                for c in batch:
-                    value = batch[c][i]
-                    if c in columns:
-                        value = value[start:stop]
-                        if c == "position_ids":
-                            value = [p - value[0] for p in value]
-                    elif c == "length":
-                        value = stop - start
-                    out[c].append(value)
-                start = stop
+    def cut_rows(batch, indices):
+        keys = list(batch)
+        out = {k: [] for k in keys}
+        for j, i in enumerate(indices):
+            row = resolve_item(Piece(int(sample[i]), *bounds[i]), {k: batch[k][j] for k in keys})
+            for k in keys:
+                out[k].append(row[k])
         return out
 
-    return dataset.map(cut_rows, batched=True, desc=f"fastqwen_overlong: {mode}"), cut
+    return rows.map(cut_rows, batched=True, with_indices=True, desc=f"fastqwen_overlong: {mode}"), cut
 
 
 def describe_cut(cut: dict) -> str:

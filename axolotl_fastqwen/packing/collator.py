@@ -175,6 +175,8 @@ def resolve_item(item: Item, row: dict) -> dict:
             row[key] = row[key][item.start : item.stop]
     if row.get("position_ids") is not None:
         row["position_ids"] = np.asarray(row["position_ids"][item.start : item.stop]) - item.start
+    if "length" in row:
+        row["length"] = item.stop - item.start
     if item.filler:
         row[FILLER_KEY] = True
     return row

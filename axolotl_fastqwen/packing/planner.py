@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 OVERLONG_MODES = ("error", "truncate", "split")
-TOKEN_BUDGET_MULTIPLE = 64
+TOKEN_BUDGET_MULTIPLE = 64  # one GDN chunk: a budget on this grid never leaves a ragged last chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +160,11 @@ def overlong_message(lengths: np.ndarray, token_budget: int, describe=None) -> s
     )
 
 
-def _items(lengths: np.ndarray, token_budget: int, overlong: str):
-    """Packable items: (sample index, start, stop, is_piece), each at most `token_budget` long."""
+def pieces(lengths: np.ndarray, token_budget: int, overlong: str):
+    """Packable items: (sample index, start, stop, is_piece), each at most `token_budget` long.
+
+    The one definition of `fastqwen_overlong`: the planner packs these items, and the Axolotl
+    adapter materialises them as dataset rows (packing/axolotl.py). Empty samples are left out."""
     nonempty = np.flatnonzero(lengths > 0)
     lens = lengths[nonempty]
     over = lens > token_budget
@@ -308,7 +311,7 @@ def plan_epoch(
     if lengths.size == 0:
         return empty
     skipped = int(np.count_nonzero(lengths == 0))
-    sample, start, stop, is_piece = _items(lengths, token_budget, overlong)
+    sample, start, stop, is_piece = pieces(lengths, token_budget, overlong)
     if sample.size == 0:
         empty.skipped_empty = skipped
         return empty

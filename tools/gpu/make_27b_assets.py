@@ -41,6 +41,15 @@ import sys
 import time
 from pathlib import Path
 
+
+def _tiny_assets():
+    """tools/tiny_assets.py (the tokenizer and chat-data builders), beside this folder."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import tiny_assets
+
+    return tiny_assets
+
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -52,7 +61,7 @@ def text_config(layers: int, tiny: bool, vocab_size: int):
     import transformers
 
     from axolotl_fastqwen.bench.shapes import SHAPES, layer_types
-    from axolotl_fastqwen.tools import tiny_assets as ta
+    ta = _tiny_assets()
 
     ids = dict(eos_token_id=ta.EOS_TOKEN_ID, pad_token_id=ta.PAD_TOKEN_ID, bos_token_id=None)
     if tiny:
@@ -70,7 +79,7 @@ def text_config(layers: int, tiny: bool, vocab_size: int):
 def vl_config(layers: int, tiny: bool, vocab_size: int, vision_depth: int | None):
     import transformers
 
-    from axolotl_fastqwen.tools import tiny_assets as ta
+    ta = _tiny_assets()
 
     text = text_config(layers, tiny, vocab_size)
     if tiny:
@@ -170,7 +179,7 @@ def axolotl_template(name: str = "qwen3_5") -> str | None:
 
 def write_chat_data(path: Path, tokenizer, *, steps: int, budget: int, median: int, sigma: float,
                     max_tokens: int, min_tokens: int, seed: int, rows: int | None, template: str | None) -> dict:
-    from axolotl_fastqwen.tools import tiny_assets as ta
+    ta = _tiny_assets()
 
     rng = random.Random(f"chat27b:{seed}")
     measure = _template_length(tokenizer, template)
@@ -254,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(ckpt, ignore_errors=True)
     ckpt.mkdir(parents=True)
 
-    from axolotl_fastqwen.tools import tiny_assets as ta
+    ta = _tiny_assets()
 
     config = vl_config(args.layers, args.tiny, args.vocab_size, args.vision_depth)
     tokenizer = ta.build_tokenizer(ckpt, seed=args.seed)

@@ -15,7 +15,8 @@ the CPU demo needs is generated here, deterministically, from code:
 Stock (unpatched) forwards on CPU need ``axolotl_fastqwen.stock.stock_torch_kernels``: fla is
 installed here and transformers picks it even on CPU, where it crashes.
 
-CLI: ``python -m axolotl_fastqwen.tools.tiny_assets --out .assets [--force]``.
+CLI: ``python tools/tiny_assets.py --out .assets [--force]`` (tools/setup.sh runs it). Tests import
+it from tools/ (tests/conftest.py puts the folder on sys.path); it is not part of the package.
 """
 
 from __future__ import annotations
@@ -33,11 +34,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+from axolotl_fastqwen import registry
+
+FAMILIES = tuple(f.name for f in registry.families())
 VL_FAMILY = "qwen3_5_vl"  # the composite vision-language model, written by write_assets
-VL_FAMILIES = {VL_FAMILY: "qwen3_5", "qwen3_5_moe_vl": "qwen3_5_moe"}  # -> text family
+# asset name -> text family, for every family with a vision-language checkpoint
+VL_FAMILIES = {("qwen3_5_vl" if f.name == "qwen3_5" else f"{f.name}_vl"): f.name
+               for f in registry.families() if f.conditional_generation}
 
 DEFAULT_SEED = 0
+
+
+def text_family(name: str) -> str:
+    """The family an asset name belongs to (`qwen3_5_vl` -> `qwen3_5`; a family name as is)."""
+    return VL_FAMILIES.get(name, name)
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer constants. Special tokens sit at the END of the vocabulary, as in the real Qwen
@@ -82,81 +92,9 @@ CHAT_TEMPLATE = (
 )
 
 # ---------------------------------------------------------------------------------------------
-# Model constants: the real shapes divided down (see shared/reference/landscape.md).
+# Models: the toy sizes of axolotl_fastqwen.bench.shapes (one definition for the bench's tiny
+# shapes and these test models); class names from each family's description.
 # ---------------------------------------------------------------------------------------------
-# Real Qwen3.5 text rope: theta 1e7, partial 0.25, interleaved MRoPE [11, 11, 10] over 32 freqs.
-REAL_MROPE_SECTION = (11, 11, 10)
-ROPE_THETA = 10_000_000.0
-PARTIAL_ROTARY_FACTOR = 0.25
-
-_COMMON_TEXT_KWARGS: dict[str, Any] = dict(
-    hidden_size=64,
-    # Gated full attention, GQA 4 q / 2 kv. head_dim 32 -> rotary dim 8 -> 4 frequencies, the
-    # smallest size at which all three interleaved MRoPE sections (T, H, W) are non-empty.
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    # Gated DeltaNet with grouped value heads (2 v per k; the 27B has 48 v / 16 k).
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=32768,
-    # ~1/sqrt(hidden): every sub-layer contributes O(1) to the residual stream, so a kernel bug
-    # in any layer shows in the logits (the 0.02 default leaves a 64-wide model nearly linear).
-    initializer_range=0.1,
-    tie_word_embeddings=False,
-)
-_MOE_KWARGS: dict[str, Any] = dict(
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-)
-
-_CONFIG_CLASS_NAMES = {
-    "qwen3_5": "Qwen3_5TextConfig",
-    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
-    "qwen3_next": "Qwen3NextConfig",
-}
-_CAUSAL_LM_CLASS_NAMES = {
-    "qwen3_5": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM",
-    VL_FAMILY: "Qwen3_5ForConditionalGeneration",
-    "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
-}
-def scaled_mrope_section(rotary_dim: int, real: tuple[int, ...] = REAL_MROPE_SECTION) -> list[int]:
-    """Scale the real [11, 11, 10] section to ``rotary_dim // 2`` frequencies (largest remainder).
-
-    The text rotary embedding interleaves T/H/W over ``rotary_dim // 2`` frequencies using the
-    section lengths, so their sum must match the tiny rotary dim or the model will not run.
-    """
-    n_freq = rotary_dim // 2
-    if n_freq < 1:
-        raise ValueError(f"rotary_dim {rotary_dim} has no frequencies")
-    total = sum(real)
-    exact = [s * n_freq / total for s in real]
-    section = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(real)), key=lambda i: (-(exact[i] - section[i]), i))
-    for i in by_remainder[: n_freq - sum(section)]:
-        section[i] += 1
-    return section
-
-
-def _text_rope_parameters(family: str, head_dim: int, partial: float) -> dict[str, Any]:
-    rope: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": ROPE_THETA,
-        "partial_rotary_factor": partial,
-    }
-    if family in ("qwen3_5", "qwen3_5_moe"):  # Qwen3-Next uses plain (1D) partial RoPE
-        rope["mrope_section"] = scaled_mrope_section(int(head_dim * partial))
-        rope["mrope_interleaved"] = True
-    return rope
-
-
 def _check_family(family: str, allowed: tuple[str, ...] = FAMILIES) -> None:
     if family not in allowed:
         raise ValueError(f"unknown family {family!r}; expected one of {allowed}")
@@ -165,31 +103,16 @@ def _check_family(family: str, allowed: tuple[str, ...] = FAMILIES) -> None:
 def tiny_config(
     family: str, *, vocab_size: int = TOKENIZER_VOCAB_SIZE, num_hidden_layers: int = 4, **overrides
 ):
-    """A tiny TEXT config of ``family`` with the real layer pattern (3 GDN : 1 full attention).
-
-    ``overrides`` replace any config field. Unless ``rope_parameters`` is overridden, the MRoPE
-    section is recomputed from the final ``head_dim`` so overriding the head size keeps it valid.
-    Token ids of the tiny tokenizer are set only for the tokenizer's own vocabulary size.
-    """
+    """A tiny TEXT config of ``family`` with the real layer pattern (3 GDN : 1 full attention):
+    ``axolotl_fastqwen.bench.shapes.toy_config`` with the tiny tokenizer's token ids (set only for
+    the tokenizer's own vocabulary size). ``overrides`` replace any config field."""
     _check_family(family)
-    import transformers
+    from axolotl_fastqwen.bench.shapes import toy_config
 
-    kwargs: dict[str, Any] = dict(_COMMON_TEXT_KWARGS)
-    kwargs.update(vocab_size=vocab_size, num_hidden_layers=num_hidden_layers)
-    if family == "qwen3_5":
-        kwargs.update(intermediate_size=128)
-    elif family == "qwen3_5_moe":
-        kwargs.update(_MOE_KWARGS)
-    else:  # qwen3_next: MoE every layer (decoder_sparse_step 1) plus a dense size for mlp_only_layers
-        kwargs.update(_MOE_KWARGS, intermediate_size=128, norm_topk_prob=True)
+    ids = {}
     if vocab_size == TOKENIZER_VOCAB_SIZE:
-        kwargs.update(pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, bos_token_id=None)
-    kwargs.update(overrides)
-    if "rope_parameters" not in overrides:
-        kwargs["rope_parameters"] = _text_rope_parameters(
-            family, kwargs["head_dim"], kwargs.pop("partial_rotary_factor", PARTIAL_ROTARY_FACTOR)
-        )
-    return getattr(transformers, _CONFIG_CLASS_NAMES[family])(**kwargs)
+        ids = dict(pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, bos_token_id=None)
+    return toy_config(family, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers, **{**ids, **overrides})
 
 
 def tiny_vl_config(family: str = "qwen3_5", **text_overrides):
@@ -218,7 +141,7 @@ def tiny_vl_config(family: str = "qwen3_5", **text_overrides):
         num_position_embeddings=16,  # a 4x4 grid of learned positions, interpolated
         initializer_range=0.1,
     )
-    config_cls = getattr(transformers, "Qwen3_5Config" if family == "qwen3_5" else "Qwen3_5MoeConfig")
+    config_cls = getattr(transformers, registry.family(family).composite_config)
     return config_cls(
         text_config=text.to_dict(),
         vision_config=vision,
@@ -278,7 +201,8 @@ def build_tiny_model(family: str, *, seed: int = DEFAULT_SEED, dtype=None, **ove
         config = tiny_vl_config(VL_FAMILIES[family], **overrides)
     else:
         config = tiny_config(family, **overrides)
-    cls = getattr(transformers, _CAUSAL_LM_CLASS_NAMES[family])
+    fam = registry.family(VL_FAMILIES.get(family, family))
+    cls = getattr(transformers, fam.conditional_generation if family in VL_FAMILIES else fam.causal_lm)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
@@ -659,7 +583,7 @@ def write_assets(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m axolotl_fastqwen.tools.tiny_assets",
+        prog="python tools/tiny_assets.py",
         description="Write the tiny offline Qwen hybrid checkpoints, tokenizer and datasets.",
     )
     parser.add_argument("--out", required=True, help="output folder, e.g. .assets")

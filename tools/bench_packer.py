@@ -1,8 +1,8 @@
 """Benchmark the packer: planning speed, sampler+collator throughput on one core, rows vs the lower
 bound, and batch counts vs plain padded batches and Axolotl's own multipack.
 
-    python -m axolotl_fastqwen.tools.bench_packer                 # all sections
-    python -m axolotl_fastqwen.tools.bench_packer --runs 7 --json out.json
+    python tools/bench_packer.py                 # all sections
+    python tools/bench_packer.py --runs 7 --json out.json
 
 Lengths follow `packing.stats.skewed_lengths` (lognormal, median 500, sigma 1, clipped at the
 budget). CPU timings are noisy: every timing is the median of `--runs` runs.

@@ -1,0 +1,142 @@
+"""The decoder's forward pre-hook: what is decided once per forward, before the first layer.
+
+In order: the GPU self-check (first forward only), peft's LoRA input cast (`adapters.py`), the
+batch-shape record for the report, then the boundaries (`boundaries.resolve`) and what follows
+from them: one boundaries object for every layer, no 4-D masks (the varlen kernels need none) and
+no cache on a packed row (it is not a prefix to continue: an empty cache object passed in is
+ignored with a warning, a filled one refused). Unpacked and generation batches pass unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .adapters import LoraInputCast
+from .boundaries import BOUNDARIES_KWARG, HOST_CU_SEQLENS_KWARG, PADDING_SEGMENTS_KWARG, BoundaryError, resolve
+from .forward_context import ForwardContext
+from .kernels import CheckShapes, selfcheck
+
+LOG = logging.getLogger("axolotl_fastqwen")
+
+
+class DecoderPreHook:
+    """One per patched decoder (see the module docstring); `report` is the model's `PatchReport`."""
+
+    def __init__(self, report, base: nn.Module, lora_cast: LoraInputCast, context: ForwardContext):
+        self.report = report
+        self.base = base
+        self.lora_cast = lora_cast
+        self.context = context
+        self.validated = False
+
+    def __call__(self, module, args, kwargs):
+        self._selfcheck_once()
+        self._lora_input_cast()
+        host = kwargs.pop(HOST_CU_SEQLENS_KWARG, None)
+        padding = kwargs.pop(PADDING_SEGMENTS_KWARG, None)
+        self._record_shape(module.training, args, kwargs)
+        if module.training:
+            kwargs["use_cache"] = False
+        self.context.last_boundaries = kwargs.get(BOUNDARIES_KWARG)
+        if self.context.last_boundaries is not None:
+            return args, kwargs
+        cu = kwargs.get("cu_seq_lens_q")
+        if torch.compiler.is_compiling() and (cu is None or host is None):
+            return args, kwargs  # under torch.compile only a collator's boundaries (no host sync) are read
+        device = _input_device(args, kwargs)
+        position_ids = kwargs.get("position_ids")
+        text_positions = position_ids[0] if position_ids is not None and position_ids.dim() == 3 else position_ids
+        validate = device.type != "cuda" or not self.validated  # on a GPU each check is a sync: check once
+        boundaries, note = resolve(
+            device=device, position_ids=text_positions, attention_mask=kwargs.get("attention_mask"),
+            cu_seq_lens_q=cu, host_cu_seqlens=host, seq_idx=kwargs.get("seq_idx"),
+            max_length_q=kwargs.get("max_length_q"), padding_segments=padding, validate=validate,
+            input_width=_input_width(args, kwargs),
+        )
+        if note:
+            self.report.kernels.note(note)
+        if boundaries is None:
+            return args, kwargs
+        self.validated = True
+        self._no_cache_on_packed_rows(kwargs)
+        self.report.boundary_sources.add(boundaries.source)
+        self.context.last_boundaries = boundaries
+        kwargs[BOUNDARIES_KWARG] = boundaries
+        kwargs["attention_mask"] = {"full_attention": None, "linear_attention": None}
+        return args, kwargs
+
+    def _selfcheck_once(self) -> None:
+        kernels = self.report.kernels
+        if not kernels.checked:
+            selfcheck(kernels, check_shapes(self.base))
+            LOG.info("%s", self.report.format())
+
+    def _lora_input_cast(self) -> None:
+        self.lora_cast.update(self.report.kernels.device.type)
+        note = self.lora_cast.describe()
+        if note and note not in self.report.kernels.notes:
+            self.report.kernels.notes.append(note)
+
+    def _record_shape(self, training: bool, args, kwargs) -> None:
+        shape = _input_shape(args, kwargs)
+        seen = self.report.batch_shapes["train" if training else "eval"]
+        # under torch.export / dynamic shapes the dims are SymInts: not recorded (and not pinned by int())
+        if shape is not None and len(seen) < 64 and all(type(d) is int for d in shape):
+            seen.add(shape)
+
+    def _no_cache_on_packed_rows(self, kwargs) -> None:
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            filled = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 1
+            if filled:
+                raise BoundaryError(
+                    f"a packed batch (several sequences per row) was passed with a cache holding {filled} "
+                    "tokens; a packed row cannot continue a cache. Generate from unpacked (padded) batches."
+                )
+            note = "an empty cache passed with packed rows was ignored (a packed row is not a prefix to continue)"
+            if note not in self.report.kernels.notes:
+                self.report.kernels.notes.append(note)
+                LOG.warning("axolotl_fastqwen: %s; past_key_values of that output is None", note)
+            kwargs["past_key_values"] = None
+        kwargs["use_cache"] = False
+
+
+def _input_shape(args, kwargs) -> tuple[int, ...] | None:
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args):
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape[:2])
+    return None
+
+
+def _input_width(args, kwargs) -> int | None:
+    shape = _input_shape(args, kwargs)
+    return shape[1] if shape is not None and len(shape) > 1 else None
+
+
+def _input_device(args, kwargs) -> torch.device:
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    raise ValueError("cannot tell the batch's device: no input_ids or inputs_embeds")
+
+
+def check_shapes(base: nn.Module) -> CheckShapes:
+    """The head shapes of a patched model, for the self-check."""
+    gdn = next(m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "A_log"))
+    attn = next((m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "q_norm")), None)
+    dtype = gdn.conv1d.weight.dtype  # the compute dtype (in_proj weights may be 4-bit under QLoRA)
+    return CheckShapes(
+        key_heads=gdn.num_k_heads,
+        value_heads=gdn.num_v_heads,
+        key_dim=gdn.head_k_dim,
+        value_dim=gdn.head_v_dim,
+        conv_width=gdn.conv_kernel_size,
+        q_heads=attn.config.num_attention_heads if attn is not None else 1,
+        kv_heads=attn.config.num_key_value_heads if attn is not None else 1,
+        head_dim=attn.head_dim if attn is not None else 64,
+        dtype=dtype,
+    )
+
