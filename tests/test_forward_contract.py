@@ -17,7 +17,8 @@ from axolotl_fastqwen.stock import stock_torch_kernels
 from tiny_assets import build_tiny_model
 
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
-    FAMILIES, TOL, assert_grads_close, grads, loss_and_grads, model_for, packed_batch, rel, sequences,
+    FAMILIES, TOL, alone_loss_and_grads, assert_grads_close, grads, loss_and_grads, model_for, packed_batch, rel,
+    sequences,
 )
 
 MOE = ["qwen3_5_moe", "qwen3_next"]
@@ -286,13 +287,7 @@ def test_left_padded_batch_equals_each_sequence_alone(family):
     labels[torch.arange(len(seqs)), width - torch.tensor(list(map(len, seqs)))] = -100  # alone has no predecessor
     with stock_torch_kernels(family):
         alone = [model(input_ids=s[None]).logits[0].detach() for s in seqs]
-        model.zero_grad(set_to_none=True)
-        alone_loss = 0.0
-        for s in seqs:
-            out = model(input_ids=s[None], labels=s[None], num_items_in_batch=torch.tensor(1))
-            out.loss.backward()
-            alone_loss += float(out.loss)
-        alone_grads = grads(model)
+    alone_loss, alone_grads = alone_loss_and_grads(model, seqs, family)
     patch_model(model)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.detach()
     for i, s in enumerate(seqs):
@@ -345,14 +340,7 @@ def test_axolotl_fused_lora_projections_compose_exactly():
     model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                                                              init_lora_weights=False, lora_dropout=0.0))
     seqs = sequences(model.config.vocab_size)
-    with stock_torch_kernels("qwen3_5"):
-        model.zero_grad(set_to_none=True)
-        alone_loss = 0.0
-        for s in seqs:
-            out = model(input_ids=s[None], labels=s[None], num_items_in_batch=torch.tensor(1))
-            out.loss.backward()
-            alone_loss += float(out.loss)
-        alone_grads = grads(model)
+    alone_loss, alone_grads = alone_loss_and_grads(model, seqs, "qwen3_5")
     apply_lora_kernel_patches(model, DictDefault(lora_qkv_kernel=True, lora_o_kernel=True))
     base = model.get_base_model()
     calls = []

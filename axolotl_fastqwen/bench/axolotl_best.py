@@ -80,6 +80,19 @@ class Component:
         return self
 
 
+# Axolotl 0.21's speed options for Qwen3.5 LoRA (the loss option is chosen per variant); the GPU
+# `axolotl train` recipe (tools/gpu/make_train_config.py) uses the same set
+SPEED_OPTIONS = {
+    "lora_mlp_kernel": True,
+    "lora_qkv_kernel": True,
+    "lora_o_kernel": True,
+    "fused_attn_kernel": True,
+    "liger_rms_norm": True,
+    "liger_rms_norm_gated": True,
+    "liger_glu_activation": True,
+}
+
+
 def best_config(family: str, loss: str, *, gc: bool, base_model: str, moe: bool):
     """The Axolotl config of the path, as the DictDefault Axolotl's functions read."""
     from axolotl.utils.dict import DictDefault
@@ -94,13 +107,7 @@ def best_config(family: str, loss: str, *, gc: bool, base_model: str, moe: bool)
         "bf16": True,
         "gradient_checkpointing": gc,
         "torch_compile": False,
-        "lora_mlp_kernel": True,
-        "lora_qkv_kernel": True,
-        "lora_o_kernel": True,
-        "fused_attn_kernel": True,
-        "liger_rms_norm": True,
-        "liger_rms_norm_gated": True,
-        "liger_glu_activation": True,
+        **SPEED_OPTIONS,
         "liger_fused_linear_cross_entropy": loss == "liger",
         "cut_cross_entropy": loss == "cce",
         "cut_cross_entropy_accum_c_fp32": False,

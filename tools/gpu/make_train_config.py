@@ -43,17 +43,10 @@ LIGER = "axolotl.integrations.liger.LigerPlugin"
 PROBE = "train_probe.TrainProbePlugin"
 FLA_GUARD = "fla_hopper_guard.LiftFlaHopperGuardPlugin"
 
-AXOLOTL_FAST = {
-    "sample_packing": True,
-    "lora_mlp_kernel": True,
-    "lora_qkv_kernel": True,
-    "lora_o_kernel": True,
-    "fused_attn_kernel": True,
-    "liger_rms_norm": True,
-    "liger_rms_norm_gated": True,
-    "liger_glu_activation": True,
-    "liger_fused_linear_cross_entropy": True,
-}
+sys.path.insert(0, str(REPO))
+from axolotl_fastqwen.bench.axolotl_best import SPEED_OPTIONS  # noqa: E402 (one list: the bench's axolotl-best)
+
+AXOLOTL_FAST = {"sample_packing": True, **SPEED_OPTIONS, "liger_fused_linear_cross_entropy": True}
 RISKY = ("fused_attn_kernel", "liger_rms_norm_gated")  # dropped by the *-safe variants
 EXAMPLES = {
     "axolotl": "examples/qwen3_5-27b-lora.yml",
