@@ -73,6 +73,7 @@ class PatchReport:
     versions: dict[str, str | None]
     boundary_sources: set[str] = field(default_factory=set)
     batch_shapes: dict[str, set] = field(default_factory=lambda: {"train": set(), "eval": set()})
+    context: ForwardContext | None = field(default=None, repr=False)
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -103,6 +104,7 @@ class PatchReport:
             "ops": ops,
             "notes": list(self.kernels.notes),
             "boundary_sources": sorted(self.boundary_sources),
+            "forwards_without_trainable_tokens": self.context.empty_forwards() if self.context else 0,
             "batch_shapes": {k: sorted(list(s) for s in v) for k, v in self.batch_shapes.items()},
             "versions": self.versions,
         }
@@ -158,6 +160,7 @@ def patch_model(
         fused_cross_entropy="off",
         kernels=kernels,
         versions=availability.versions(),
+        context=context,
     )
     lora_cast = LoraInputCast(base)
     hook = DecoderPreHook(report, base, lora_cast, context)

@@ -161,10 +161,16 @@ def _packing(cfg) -> bool:
 
 
 class _ReportOnTrainEnd(TrainerCallback):
-    """Re-writes the report at the end with what the run saw (e.g. where boundaries came from)."""
+    """Warns at each log step when steps without a trainable token occurred; re-writes the report at
+    the end with what the run saw (where boundaries came from, kernels handed to the reference, ...)."""
 
     def __init__(self, plugin, cfg, trainer, packing_report):
         self.plugin, self.cfg, self.trainer, self.packing_report = plugin, cfg, trainer, packing_report
 
+    def on_log(self, args, state, control, **kwargs):
+        if self.plugin.report is not None and self.plugin.report.context is not None:
+            self.plugin.report.context.warn_empty_forwards()
+
     def on_train_end(self, args, state, control, **kwargs):
+        self.on_log(args, state, control)
         self.plugin._write_report(self.cfg, self.trainer, self.packing_report)

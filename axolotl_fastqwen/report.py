@@ -26,6 +26,9 @@ def format_report(d: dict) -> str:
         lines.append(f"  note: {note}")
     if d["boundary_sources"]:
         lines.append(f"  boundaries from: {', '.join(d['boundary_sources'])}")
+    if d.get("forwards_without_trainable_tokens"):
+        lines.append(f"  training forwards without a trainable token (loss 0, no update): "
+                     f"{d['forwards_without_trainable_tokens']}")
     versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)
     lines.append(f"  versions: {versions}")
     return "\n".join(lines)

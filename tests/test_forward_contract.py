@@ -307,7 +307,7 @@ def test_a_step_with_no_trainable_token_gives_zero_loss_and_zero_gradients(num_i
 
     model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=4, target_modules=["in_proj_qkv", "q_proj"],
                                                              init_lora_weights=False))
-    patch_model(model)
+    report = patch_model(model)
     batch = packed_batch(sequences(model.config.vocab_size))
     batch["labels"] = torch.full_like(batch["labels"], -100)
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
@@ -317,8 +317,9 @@ def test_a_step_with_no_trainable_token_gives_zero_loss_and_zero_gradients(num_i
     assert torch.isfinite(out.loss) and float(out.loss) == 0.0
     g = grads(model)
     assert g and all(torch.isfinite(t).all() and not t.any() for t in g.values())
-    context = model.get_base_model().__dict__["_fastqwen_patch"]["context"]
-    assert context.warn_empty_forwards() == 1
+    assert report.context.warn_empty_forwards() == 1  # logged as a warning, and in the report:
+    assert report.to_dict()["forwards_without_trainable_tokens"] == 1
+    assert "training forwards without a trainable token (loss 0, no update): 1" in report.format()
 
 
 # ---- Axolotl's fused LoRA projections inside the patched layers -------------------------------
