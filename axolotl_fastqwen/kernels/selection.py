@@ -141,7 +141,7 @@ def enforce_mode(kernels: KernelSet) -> None:
     if kernels.mode == "require":
         raise KernelUnavailableError(
             f"fastqwen_kernels: require, but these ops would run on the slow PyTorch path: {detail}. "
-            "Install the kernels (pip install 'axolotl-fastqwen[kernels]', on a CUDA machine) or set "
+            "Install the kernels on a CUDA machine (the [kernels] extra: README, 'Install') or set "
             "fastqwen_kernels: auto."
         )
     if kernels.mode == "auto" and kernels.device.type == "cuda":

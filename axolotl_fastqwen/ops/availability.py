@@ -15,6 +15,9 @@ import importlib.util
 
 import torch
 
+# How to get fla: on PyPI under this name, and in this package's `[kernels]` extra (README, "Install").
+FLA_HINT = "pip install 'flash-linear-attention>=0.5.2', in the [kernels] extra"
+
 # Distribution name for each importable package we may use.
 DISTRIBUTIONS = {
     "fla": "fla-core",

@@ -76,7 +76,7 @@ def bind(fn, boundaries, extra):
 
 
 SPEC = OpSpec("causal_conv", reference="torch", check_inputs=check_inputs, bind=bind)
-_FLA = on_cuda_with(availability.has_fla, "pip install 'axolotl-fastqwen[kernels]'")
+_FLA = on_cuda_with(availability.has_fla, availability.FLA_HINT)
 BACKENDS = (
     KernelBackend("causal_conv", "causal-conv1d", causal_conv1d_cuda, 100,
                   on_cuda_with(availability.has_causal_conv1d, "build causal-conv1d: README, 'Kernels on a GPU machine'"),

@@ -161,7 +161,7 @@ def bind(fn, boundaries, extra):
 SPEC = OpSpec("gated_delta_rule", reference="torch", check_inputs=check_inputs, bind=bind)
 BACKENDS = (
     KernelBackend("gated_delta_rule", "fla", fla_gated_delta_rule, 100,
-                  on_cuda_with(availability.has_fla, "pip install 'axolotl-fastqwen[kernels]'"), "fla"),
+                  on_cuda_with(availability.has_fla, availability.FLA_HINT), "fla"),
     KernelBackend("gated_delta_rule", "torch", reference_gated_delta_rule, 0, always, fallback=True),
 )
 

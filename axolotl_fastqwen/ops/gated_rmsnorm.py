@@ -50,7 +50,7 @@ def bind(fn, boundaries, extra):
 SPEC = OpSpec("gated_rmsnorm", reference="torch", check_inputs=check_inputs, bind=bind)
 BACKENDS = (
     KernelBackend("gated_rmsnorm", "fla", fla_gated_rmsnorm, 100,
-                  on_cuda_with(availability.has_fla, "pip install 'axolotl-fastqwen[kernels]'"), "fla"),
+                  on_cuda_with(availability.has_fla, availability.FLA_HINT), "fla"),
     KernelBackend("gated_rmsnorm", "torch", reference_gated_rmsnorm, 0, always, fallback=True),
 )
 
