@@ -141,7 +141,7 @@ def check_model_type(cfg) -> None:
     source = cfg.get("base_model_config") or cfg.get("base_model")
     if not source:
         return
-    supported = supported_model_types()  # first: loads the extensions, which may register their configs
+    supported_model_types()  # first: loads the extensions, which may register their configs
     try:
         from transformers import AutoConfig
 
@@ -151,9 +151,7 @@ def check_model_type(cfg) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure to read it defers the check
         LOG.debug("axolotl_fastqwen: model config of %s not readable at config load (%s)", source, exc)
         return
-    model_type = getattr(config, "model_type", None)
-    if model_type not in supported:
-        refuse_model_type(model_type)
+    refuse_model_type(getattr(config, "model_type", None))
 
 
 def _packing(cfg) -> bool:
