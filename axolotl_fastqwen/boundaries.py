@@ -24,6 +24,15 @@ HOST_CU_SEQLENS_KWARG = "fastqwen_cu_seqlens_host"
 PADDING_SEGMENTS_KWARG = "fastqwen_padding_segments"  # a collator row's segments that hold no data (host tuple)
 
 
+# what transformers calls the cache argument of the decoder and its layers (5.24 renamed both to `cache`)
+CACHE_KWARGS = ("past_key_values", "cache_params", "cache")
+
+
+def cache_of(kwargs: dict):
+    """The cache a forward was given, under whichever name this transformers uses (or None)."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+
+
 class BoundaryError(ValueError):
     """The batch's boundary tensors contradict each other: training on it would be silently wrong."""
 

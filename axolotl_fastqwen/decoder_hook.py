@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from .adapters import LoraInputCast
-from .boundaries import BOUNDARIES_KWARG, HOST_CU_SEQLENS_KWARG, PADDING_SEGMENTS_KWARG, BoundaryError, resolve
+from .boundaries import (
+    BOUNDARIES_KWARG, CACHE_KWARGS, HOST_CU_SEQLENS_KWARG, PADDING_SEGMENTS_KWARG, BoundaryError, cache_of, resolve,
+)
 from .forward_context import ForwardContext
 from .kernels import CheckShapes, selfcheck
 
@@ -88,7 +90,7 @@ class DecoderPreHook:
             seen.add(shape)
 
     def _no_cache_on_packed_rows(self, kwargs) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = cache_of(kwargs)
         if cache is not None:
             filled = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 1
             if filled:
@@ -100,7 +102,9 @@ class DecoderPreHook:
             if note not in self.report.kernels.notes:
                 self.report.kernels.notes.append(note)
                 LOG.warning("axolotl_fastqwen: %s; past_key_values of that output is None", note)
-            kwargs["past_key_values"] = None
+            for key in CACHE_KWARGS:
+                if key in kwargs:
+                    kwargs[key] = None
         kwargs["use_cache"] = False
 
 

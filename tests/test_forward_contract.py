@@ -354,3 +354,25 @@ def test_axolotl_fused_lora_projections_compose_exactly():
     assert set(calls) == {"apply_in_proj_fused", "apply_out_proj", "apply_qkv", "apply_o"}
     assert abs(float(loss) - alone_loss) <= TOL * alone_loss
     assert_grads_close(ours, alone_grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_with_a_cache_is_stock(family):
+    """`generate` on a patched model (left-padded prompts, a recurrent + KV cache, transformers'
+    cache argument under whichever name this version uses): the tokens stock generates, and the
+    last step's logits."""
+    model = model_for(family).eval()
+    seqs = sequences(model.config.vocab_size, [9, 6])
+    ids = torch.full((2, 9), 7)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, 9 - len(s):], mask[i, 9 - len(s):] = s, 1
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=7)
+    with stock_torch_kernels(family), torch.no_grad():
+        stock = model.generate(ids, **kw)
+    patch_model(model)
+    with torch.no_grad():
+        ours = model.generate(ids, **kw)
+    assert torch.equal(ours.sequences, stock.sequences)
+    assert close(ours.logits[-1], stock.logits[-1])

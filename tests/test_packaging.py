@@ -22,7 +22,13 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory):
-    pytest.importorskip("build")
+    import importlib.metadata
+
+    for tool in ("build", "twine"):  # by distribution: a stray `build/` folder would import as `build`
+        try:
+            importlib.metadata.version(tool)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"{tool} is not installed here (the dev extra has it)")
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # uv for build's isolated env
     done = subprocess.run([sys.executable, "-m", "build", "--installer", "uv", "--sdist", "--wheel", "--outdir",

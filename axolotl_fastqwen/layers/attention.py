@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from ..boundaries import BOUNDARIES_KWARG
+from ..boundaries import BOUNDARIES_KWARG, cache_of
 
 
-def attention_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+def attention_forward(self, hidden_states, position_embeddings, *args, **kwargs):
     patch = self._fastqwen
     boundaries = kwargs.get(BOUNDARIES_KWARG)
-    if boundaries is None or past_key_values is not None:
-        return patch.original_forward(
-            hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values, **kwargs
-        )
+    if boundaries is None or cache_of(kwargs) is not None or args:
+        # unpacked or generation batches: the stock forward, with its arguments as given
+        return patch.original_forward(hidden_states, position_embeddings, *args, **kwargs)
     batch, seq_len, _ = hidden_states.shape
     x = hidden_states.reshape(1, batch * seq_len, -1)
     tokens = x.shape[1]

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from ..boundaries import BOUNDARIES_KWARG
+from ..boundaries import BOUNDARIES_KWARG, cache_of
 from ..stock import stock_kernels_on_cpu
 
 
-def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
+def gated_deltanet_forward(self, hidden_states: torch.Tensor, **kwargs):
     patch = self._fastqwen
-    if cache_params is not None:
+    if cache_of(kwargs) is not None:
         # Generation with a recurrent cache (prefill + decode) keeps the stock path; on a CPU on
         # transformers' own PyTorch functions (the fla kernels it resolved at import would crash).
         with stock_kernels_on_cpu(patch.family.module, hidden_states.device):
-            return patch.original_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask,
-                                          **kwargs)
+            return patch.original_forward(hidden_states, **kwargs)
+    attention_mask = kwargs.get("attention_mask")
     kernels = patch.kernels
     boundaries = kwargs.get(BOUNDARIES_KWARG)
     batch, seq_len, _ = hidden_states.shape
