@@ -73,7 +73,7 @@ class DecoderPreHook:
     def _selfcheck_once(self) -> None:
         kernels = self.report.kernels
         if not kernels.checked:
-            selfcheck(kernels, check_shapes(self.base))
+            selfcheck(kernels, check_shapes(self.base, kernel_input_dtype(self.base, kernels.device)))
             LOG.info("%s", self.report.format())
 
     def _lora_input_cast(self) -> None:
@@ -127,11 +127,33 @@ def _input_device(args, kwargs) -> torch.device:
     raise ValueError("cannot tell the batch's device: no input_ids or inputs_embeds")
 
 
-def check_shapes(base: nn.Module) -> CheckShapes:
-    """The head shapes of a patched model, for the self-check."""
+def kernel_input_dtype(base: nn.Module, device: torch.device | None = None) -> torch.dtype:
+    """The dtype the kernels will receive in this forward: autocast's when it is on (the projections
+    in front of every kernel are matmuls), else the residual stream's (the input embeddings').
+
+    Not a parameter of the layer: under QLoRA peft's `prepare_model_for_kbit_training` leaves the
+    conv weights in fp32 while Axolotl converts norms and embeddings back to bf16 and the Trainer
+    runs under bf16 autocast, so the kernels see bf16. Checking at the conv weight's fp32 (as
+    before) compiled and autotuned a second, fp32 set of kernels on the H200 (minutes, before the
+    first step) and rejected fla on the fp32 tolerance, for kernels that then ran in bf16.
+    """
+    if device is not None and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    gdn = next(m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "A_log"))
+    return gdn.conv1d.weight.dtype
+
+
+def check_shapes(base: nn.Module, dtype: torch.dtype | None = None) -> CheckShapes:
+    """The head shapes of a patched model, for the self-check, at `dtype` (default: what
+    `kernel_input_dtype` says outside autocast)."""
     gdn = next(m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "A_log"))
     attn = next((m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "q_norm")), None)
-    dtype = gdn.conv1d.weight.dtype  # the compute dtype (in_proj weights may be 4-bit under QLoRA)
+    if dtype is None:
+        dtype = kernel_input_dtype(base)
     return CheckShapes(
         key_heads=gdn.num_k_heads,
         value_heads=gdn.num_v_heads,

@@ -439,3 +439,48 @@ def test_unpatch_restores_every_global_the_patch_touched(monkeypatch):
     same(before[0], after[0])
     same(before[1], after[1])
     assert chunk_o.TRITON_ABOVE_3_7_1 is False and not hopper_guard.lifted_by(report.kernels)
+
+
+def test_selfcheck_dtype_is_what_the_kernels_receive_under_qlora_style_dtypes():
+    """QLoRA leaves the conv weights in fp32 (peft's `prepare_model_for_kbit_training` upcasts every
+    bf16 parameter) while Axolotl converts norms and embeddings back to bf16 and the Trainer runs
+    under bf16 autocast. The self-check must test the dtype the kernels really receive (measured
+    here on the projection in front of them), not the conv weight's: on the H200 the fp32 check
+    autotuned a second kernel set for minutes and rejected fla for a bf16 run. Break
+    `kernel_input_dtype` back to `conv1d.weight.dtype` and this fails."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from axolotl_fastqwen.decoder_hook import check_shapes, kernel_input_dtype
+    from axolotl_fastqwen.families.base import unwrap
+
+    model = model_for("qwen3_5").to(torch.bfloat16)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for name, module in model.named_modules():  # Axolotl's _convert_embedding_modules_dtype, bf16 run
+        if "norm" in name or "embed_tokens" in name or "lm_head" in name:
+            module.to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj_qkv", "q_proj"]))
+    patch_model(model)
+    base = unwrap(model)
+    gdn = next(m for m in base.modules() if hasattr(m, "A_log"))
+    assert gdn.conv1d.weight.dtype == torch.float32  # the trap: the layer's own weights say fp32
+    ids = torch.randint(0, model.config.vocab_size, (1, 24))
+
+    def predicted_and_seen(model, autocast):
+        base = unwrap(model)
+        gdn = next(m for m in base.modules() if hasattr(m, "A_log"))
+        seen = []
+        handle = gdn.in_proj_qkv.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                predicted = kernel_input_dtype(base, torch.device("cpu"))
+                model(input_ids=ids, labels=ids)
+        finally:
+            handle.remove()
+        assert check_shapes(base, predicted).dtype == predicted
+        return predicted, seen[0]
+
+    assert predicted_and_seen(model, autocast=True) == (torch.bfloat16, torch.bfloat16)
+    # without autocast (such mixed dtypes would not run there): the residual stream's dtype
+    plain = model_for("qwen3_5").to(torch.bfloat16)
+    patch_model(plain)
+    assert predicted_and_seen(plain, autocast=False) == (torch.bfloat16, torch.bfloat16)
