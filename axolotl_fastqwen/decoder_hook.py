@@ -143,14 +143,17 @@ def kernel_input_dtype(base: nn.Module, device: torch.device | None = None) -> t
     weight = getattr(embeddings, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.is_floating_point():
         return weight.dtype
-    gdn = next(m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "A_log"))
-    return gdn.conv1d.weight.dtype
+    return _patched_gdn(base).conv1d.weight.dtype
+
+
+def _patched_gdn(base: nn.Module) -> nn.Module:
+    return next(m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "A_log"))
 
 
 def check_shapes(base: nn.Module, dtype: torch.dtype | None = None) -> CheckShapes:
     """The head shapes of a patched model, for the self-check, at `dtype` (default: what
     `kernel_input_dtype` says outside autocast)."""
-    gdn = next(m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "A_log"))
+    gdn = _patched_gdn(base)
     attn = next((m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "q_norm")), None)
     if dtype is None:
         dtype = kernel_input_dtype(base)
