@@ -13,6 +13,7 @@ import copy
 import functools
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from . import registry
 from .adapters import LoraInputCast
 from .decoder_hook import DecoderPreHook
 from .devices import model_device
+from .experts import describe_experts
 from .families.base import FamilyPlan, detect_family, unwrap
 from .forward_context import ForwardContext
 from .kernels import KernelSet, hopper_guard, select_kernels
@@ -74,6 +76,7 @@ class PatchReport:
     boundary_sources: set[str] = field(default_factory=set)
     batch_shapes: dict[str, set] = field(default_factory=lambda: {"train": set(), "eval": set()})
     context: ForwardContext | None = field(default=None, repr=False)
+    model: weakref.ref | None = field(default=None, repr=False)  # read live: who runs the experts
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -102,6 +105,7 @@ class PatchReport:
             "layers_patched": {"gated_deltanet": self.gated_deltanet_layers, "attention": self.attention_layers},
             "selfchecked": self.kernels.checked and self.kernels.device.type == "cuda",
             "ops": ops,
+            "experts": describe_experts(self.model()) if self.model is not None and self.model() is not None else None,
             "notes": list(self.kernels.notes),
             "boundary_sources": sorted(self.boundary_sources),
             "forwards_without_trainable_tokens": self.context.empty_forwards() if self.context else 0,
@@ -161,6 +165,7 @@ def patch_model(
         kernels=kernels,
         versions=availability.versions(),
         context=context,
+        model=weakref.ref(base),
     )
     lora_cast = LoraInputCast(base)
     hook = DecoderPreHook(report, base, lora_cast, context)

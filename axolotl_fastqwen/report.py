@@ -22,6 +22,13 @@ def format_report(d: dict) -> str:
         if info["rejected"]:
             detail = (detail + "; " if detail else "") + "not: " + "; ".join(info["rejected"])
         lines.append(f"  {op:<22} {info['backend']:<16} {detail}")
+    experts = d.get("experts")
+    if experts:
+        lines.append(f"  {'routed experts':<22} {str(experts['implementation']):<16} {experts['modules']} x "
+                     f"{experts['class']}, run by {experts['runner']} (not replaced by the plugin)")
+        for kind in experts.get("by_module_kind", [])[1:]:
+            lines.append(f"  {'':<22} {str(kind['implementation']):<16} {kind['modules']} x {kind['class']}, run by "
+                         f"{kind['runner']}")
     for note in d["notes"]:
         lines.append(f"  note: {note}")
     if d["boundary_sources"]:

@@ -372,6 +372,14 @@ def test_doctor_runs_on_cpu_and_says_what_a_gpu_would_use(tmp_path, capsys):
     }
     assert all(row["backend"] == "torch" for row in findings["kernels_here"] if row["op"] != "linear_cross_entropy")
     assert findings["problems"] and "known-bad combinations" in capsys.readouterr().out
+    # the experts implementations transformers can dispatch to here, as its ExpertsInterface lists them
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        assert "transformers" in findings["experts"]
+    else:
+        assert "grouped_mm" in findings["experts"]["registered"]
+        assert set(findings["experts"]["registered"].split(", ")) == {"eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()}
 
 
 def test_matmul_count_matches_the_linear_layers_of_a_dense_model():

@@ -50,6 +50,24 @@ def _import_error(module: str) -> str | None:
     return None
 
 
+def _experts_backends(device: torch.device) -> dict[str, str]:
+    """The experts implementations transformers can dispatch to here, and what each needs."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError as exc:
+        return {"transformers": f"no ExpertsInterface ({exc})"}
+    keys = ALL_EXPERTS_FUNCTIONS.valid_keys() if hasattr(ALL_EXPERTS_FUNCTIONS, "valid_keys") else []
+    names = ["eager", *sorted(set(keys))]
+    out = {"registered": ", ".join(names)}
+    grouped = hasattr(torch, "_grouped_mm")
+    out["grouped_mm"] = ("torch._grouped_mm present" if grouped else "torch._grouped_mm missing") + (
+        " (bf16 grouped GEMM on sm_90+; transformers' default)" if device.type == "cuda" else "")
+    scatter = _import_error("axolotl.integrations.kernels.libs.scattermoe_lora.experts")
+    out["scattermoe"] = ("Axolotl's ScatterMoE importable (registered when its KernelsPlugin has use_scattermoe: "
+                         "true)" if scatter is None else f"not importable ({scatter[:120]})")
+    return out
+
+
 def _kernel_table(kernels) -> list[dict]:
     return [
         {"op": op, "backend": c.backend.name, "fallback": c.backend.fallback, "selfcheck": c.selfcheck,
@@ -185,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
             }
     print("\nstock transformers resolved (at import): " + "; ".join(
         f"{fam}: {res}" for fam, res in findings["stock_resolution"].items()), flush=True)
+
+    findings["experts"] = _experts_backends(device)
+    print("\nrouted experts (MoE models; run by transformers or an integration, not replaced by the plugin; the "
+          "load report names the one a model uses): " + "; ".join(f"{k}: {v}" for k, v in findings["experts"].items()),
+          flush=True)
 
     findings["problems"] = known_problems(device, versions)
     print("\nknown-bad combinations:", flush=True)

@@ -1,0 +1,71 @@
+"""Who runs the routed experts of an MoE model: read from the live model for the load report.
+
+The plugin does not replace the experts. transformers dispatches each experts module's forward
+through its `ExpertsInterface` by `config._experts_implementation` at every call (eager, grouped_mm,
+batched_mm, ... or what an integration registered: Axolotl's KernelsPlugin registers `scattermoe`),
+and a kernel library may replace the class outright (Liger's `LigerExperts` on qwen3_next). Which
+one runs is therefore only known from the model as it trains, and it can change after load
+(`set_experts_implementation`), so the report reads it whenever it is written.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The experts module under peft's wrappers (`target_parameters` puts a ParamWrapper on it)."""
+    while hasattr(module, "base_layer") and isinstance(module.base_layer, nn.Module):
+        module = module.base_layer
+    return module
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A routed-experts module: 3-D stacked expert weights, whatever class holds them."""
+    weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
+    return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
+
+
+def _runner(module: nn.Module, implementation: str | None) -> str:
+    cls = type(module)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    dispatched = getattr(cls.forward, "__wrapped__", None) is not None and cls.__module__.startswith("transformers.")
+    if not dispatched:
+        return f"{where}.forward (class-level replacement; config._experts_implementation not consulted)"
+    if implementation in (None, "eager"):
+        return f"{where}.forward (transformers eager: a loop over the experts that received tokens)"
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        fn = ALL_EXPERTS_FUNCTIONS[implementation]
+        return f"{fn.__module__}.{fn.__qualname__} (transformers ExpertsInterface '{implementation}')"
+    except (ImportError, KeyError) as exc:
+        return f"'{implementation}' is not registered in transformers' ExpertsInterface ({type(exc).__name__})"
+
+
+def describe_experts(model: nn.Module) -> dict | None:
+    """{modules, class, implementation, runner} of the model's routed experts; None for a dense model.
+
+    Mixed settings (one implementation per module is possible) are listed in `by_module_kind`.
+    """
+    found = []
+    for module in model.modules():
+        inner = _unwrap(module)
+        if inner is module and _is_experts(module):
+            found.append(module)
+    if not found:
+        return None
+    kinds = Counter()
+    for module in found:
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        kinds[(type(module).__qualname__, impl, _runner(module, impl))] += 1
+    (cls, impl, runner), n = kinds.most_common(1)[0]
+    out = {"modules": len(found), "class": cls, "implementation": impl, "runner": runner}
+    if len(kinds) > 1:
+        out["by_module_kind"] = [{"modules": n, "class": c, "implementation": i, "runner": r}
+                                 for (c, i, r), n in kinds.most_common()]
+    return out
