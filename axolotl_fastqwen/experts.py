@@ -17,15 +17,9 @@ from torch import nn
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The experts module under peft's wrappers (`target_parameters` puts a ParamWrapper on it)."""
-    while hasattr(module, "base_layer") and isinstance(module.base_layer, nn.Module):
-        module = module.base_layer
-    return module
-
-
 def _is_experts(module: nn.Module) -> bool:
-    """A routed-experts module: 3-D stacked expert weights, whatever class holds them."""
+    """A routed-experts module: 3-D stacked expert weights, whatever class holds them (peft's
+    `target_parameters` wrappers around one do not show its weights: it is counted once)."""
     weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
     return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
 
@@ -52,11 +46,7 @@ def describe_experts(model: nn.Module) -> dict | None:
 
     Mixed settings (one implementation per module is possible) are listed in `by_module_kind`.
     """
-    found = []
-    for module in model.modules():
-        inner = _unwrap(module)
-        if inner is module and _is_experts(module):
-            found.append(module)
+    found = [module for module in model.modules() if _is_experts(module)]
     if not found:
         return None
     kinds = Counter()

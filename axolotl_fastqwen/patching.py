@@ -89,6 +89,7 @@ class PatchReport:
         return names
 
     def to_dict(self) -> dict:
+        model = self.model() if self.model is not None else None
         ops = {}
         for op, choice in self.kernels.choices.items():
             ops[op] = {
@@ -105,7 +106,7 @@ class PatchReport:
             "layers_patched": {"gated_deltanet": self.gated_deltanet_layers, "attention": self.attention_layers},
             "selfchecked": self.kernels.checked and self.kernels.device.type == "cuda",
             "ops": ops,
-            "experts": describe_experts(self.model()) if self.model is not None and self.model() is not None else None,
+            "experts": describe_experts(model) if model is not None else None,
             "notes": list(self.kernels.notes),
             "boundary_sources": sorted(self.boundary_sources),
             "forwards_without_trainable_tokens": self.context.empty_forwards() if self.context else 0,
