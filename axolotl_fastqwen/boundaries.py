@@ -58,6 +58,7 @@ class Boundaries:
     source: str
     padding_segments: tuple[int, ...] = ()
     _position_in_sequence: torch.Tensor | None = field(default=None, repr=False)
+    _cu_seqlens_int64: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def total(self) -> int:
@@ -70,10 +71,22 @@ class Boundaries:
     def lengths(self) -> list[int]:
         return self.cu_seqlens_host.diff().tolist()
 
+    def fla_varlen(self) -> dict[str, torch.Tensor]:
+        """fla's varlen arguments, the same tensor objects for every layer of the forward.
+
+        fla caches its chunk plan (`prepare_chunk_indices`, built on the host from `cu_seqlens_cpu`
+        and copied to the GPU with a blocking copy) by the identity of the tensors passed. A fresh
+        int64 cast per layer missed that cache in every conv and GDN call: on the H200 two host
+        syncs per GDN layer and forward (tools/gpu/moe_sync_trace.py). One cast per batch hits it.
+        """
+        if self._cu_seqlens_int64 is None:
+            self._cu_seqlens_int64 = self.cu_seqlens.long()
+        return {"cu_seqlens": self._cu_seqlens_int64, "cu_seqlens_cpu": self.cu_seqlens_host}
+
     def position_in_sequence(self) -> torch.Tensor:
         """Offset of every token from the start of its sequence, long `[total]` on the device."""
         if self._position_in_sequence is None:
-            starts = self.cu_seqlens.long()[self.seq_idx.view(-1).long()]
+            starts = self.fla_varlen()["cu_seqlens"][self.seq_idx.view(-1).long()]
             self._position_in_sequence = torch.arange(self.total, device=starts.device) - starts
         return self._position_in_sequence
 

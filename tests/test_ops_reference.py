@@ -214,3 +214,14 @@ def test_stock_torch_kernels_context_switches_and_restores():
         assert torch_fallback(mq.torch_chunk_gated_delta_rule) is torch_fallback(before, "torch_chunk_gated_delta_rule")
         assert mq.torch_chunk_gated_delta_rule is not before
     assert mq.torch_chunk_gated_delta_rule is before
+
+
+def test_fla_chunk_plan_is_built_once_per_batch_not_once_per_layer():
+    """fla caches `prepare_chunk_indices` (a host computation plus a blocking host-to-device copy) by
+    the identity of the tensors passed; every GDN and conv layer of one forward must hit that cache.
+    Reference: fla's own cache (its return object is reused), called as the layers call it."""
+    index = pytest.importorskip("fla.ops.utils.index")
+    b = Boundaries.from_cu_seqlens(torch.tensor([0, 37, 38, 108, 128]), device=torch.device("cpu"))
+    plans = [index.prepare_chunk_indices(chunk_size=64, **b.fla_varlen()) for _layer in range(3)]
+    assert all(p is plans[0] for p in plans)  # one plan for the batch: the later layers reuse it
+    assert plans[0].dtype == torch.int64 and b.fla_varlen()["cu_seqlens"].tolist() == [0, 37, 38, 108, 128]

@@ -33,9 +33,7 @@ def fla_triton_causal_conv(x, weight, bias, *, activation, boundaries):
     except ImportError:  # fla >= 0.6 moved it; the alias above is kept, this is belt and braces
         from fla.modules.causal_conv1d import causal_conv1d
 
-    varlen = {}
-    if boundaries is not None:
-        varlen = dict(cu_seqlens=boundaries.cu_seqlens.long(), cu_seqlens_cpu=boundaries.cu_seqlens_host)
+    varlen = boundaries.fla_varlen() if boundaries is not None else {}
     out, _ = causal_conv1d(
         x, weight=weight, bias=bias, activation="silu" if activation else None, backend="triton", **varlen
     )

@@ -23,9 +23,7 @@ def fla_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, *, boundaries):
     `boundaries`, B == 1. Returns `[B, T, Hv, Dv]`."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    varlen = {}
-    if boundaries is not None:
-        varlen = dict(cu_seqlens=boundaries.cu_seqlens.long(), cu_seqlens_cpu=boundaries.cu_seqlens_host)
+    varlen = boundaries.fla_varlen() if boundaries is not None else {}
     out, _ = chunk_gated_delta_rule(
         q,
         k,
