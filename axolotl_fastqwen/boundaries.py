@@ -71,6 +71,12 @@ class Boundaries:
     def lengths(self) -> list[int]:
         return self.cu_seqlens_host.diff().tolist()
 
+    def cu_seqlens_int64(self) -> torch.Tensor:
+        """`cu_seqlens` as int64 on the device, cast once per batch (one tensor object for all layers)."""
+        if self._cu_seqlens_int64 is None:
+            self._cu_seqlens_int64 = self.cu_seqlens.long()
+        return self._cu_seqlens_int64
+
     def fla_varlen(self) -> dict[str, torch.Tensor]:
         """fla's varlen arguments, the same tensor objects for every layer of the forward.
 
@@ -79,14 +85,12 @@ class Boundaries:
         int64 cast per layer missed that cache in every conv and GDN call: on the H200 two host
         syncs per GDN layer and forward (tools/gpu/moe_sync_trace.py). One cast per batch hits it.
         """
-        if self._cu_seqlens_int64 is None:
-            self._cu_seqlens_int64 = self.cu_seqlens.long()
-        return {"cu_seqlens": self._cu_seqlens_int64, "cu_seqlens_cpu": self.cu_seqlens_host}
+        return {"cu_seqlens": self.cu_seqlens_int64(), "cu_seqlens_cpu": self.cu_seqlens_host}
 
     def position_in_sequence(self) -> torch.Tensor:
         """Offset of every token from the start of its sequence, long `[total]` on the device."""
         if self._position_in_sequence is None:
-            starts = self.fla_varlen()["cu_seqlens"][self.seq_idx.view(-1).long()]
+            starts = self.cu_seqlens_int64()[self.seq_idx.view(-1).long()]
             self._position_in_sequence = torch.arange(self.total, device=starts.device) - starts
         return self._position_in_sequence
 

@@ -24,6 +24,16 @@ def _is_experts(module: nn.Module) -> bool:
     return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
 
 
+def registered_implementations() -> list[str] | None:
+    """The names transformers' `ExpertsInterface` dispatches here ("eager" first); None without it."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    keys = ALL_EXPERTS_FUNCTIONS.valid_keys() if hasattr(ALL_EXPERTS_FUNCTIONS, "valid_keys") else []
+    return ["eager", *sorted(set(keys) - {"eager"})]
+
+
 def _runner(module: nn.Module, implementation: str | None) -> str:
     cls = type(module)
     where = f"{cls.__module__}.{cls.__qualname__}"
@@ -53,7 +63,7 @@ def describe_experts(model: nn.Module) -> dict | None:
     for module in found:
         impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
         kinds[(type(module).__qualname__, impl, _runner(module, impl))] += 1
-    (cls, impl, runner), n = kinds.most_common(1)[0]
+    (cls, impl, runner), _ = kinds.most_common(1)[0]
     out = {"modules": len(found), "class": cls, "implementation": impl, "runner": runner}
     if len(kinds) > 1:
         out["by_module_kind"] = [{"modules": n, "class": c, "implementation": i, "runner": r}

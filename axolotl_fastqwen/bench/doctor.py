@@ -19,6 +19,7 @@ import torch
 
 from .. import registry
 from ..devices import from_arg
+from ..experts import registered_implementations
 from ..kernels import CheckShapes, hopper_guard, select_kernels, selfcheck
 from ..ops import availability
 from ..stock import resolved_kernel
@@ -52,12 +53,9 @@ def _import_error(module: str) -> str | None:
 
 def _experts_backends(device: torch.device) -> dict[str, str]:
     """The experts implementations transformers can dispatch to here, and what each needs."""
-    try:
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    except ImportError as exc:
-        return {"transformers": f"no ExpertsInterface ({exc})"}
-    keys = ALL_EXPERTS_FUNCTIONS.valid_keys() if hasattr(ALL_EXPERTS_FUNCTIONS, "valid_keys") else []
-    names = ["eager", *sorted(set(keys))]
+    names = registered_implementations()
+    if names is None:
+        return {"transformers": "no ExpertsInterface in this transformers (transformers.integrations.moe)"}
     out = {"registered": ", ".join(names)}
     grouped = hasattr(torch, "_grouped_mm")
     out["grouped_mm"] = ("torch._grouped_mm present" if grouped else "torch._grouped_mm missing") + (
