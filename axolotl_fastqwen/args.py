@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from .checkpointing import DEFAULT_CHECKPOINTING_MEMORY
 from .packing.planner import TOKEN_BUDGET_MULTIPLE as TOKEN_MULTIPLE  # one place: the packer's grid
 
 
@@ -44,6 +45,23 @@ class FastQwenArgs(BaseModel):
         default=True,
         json_schema_extra={"description": "Compute the loss without materialising the vocabulary logits."},
     )
+    fastqwen_checkpointing: Literal["full", "auto"] = Field(
+        default="full",
+        json_schema_extra={
+            "description": "With gradient_checkpointing: full recomputes every decoder layer (Axolotl's and HF's "
+            "behaviour); auto measures the peak memory of the first steps and keeps the activations of as many "
+            "layers as fit under fastqwen_checkpointing_memory of the GPU, recomputing the rest."
+        },
+    )
+    fastqwen_checkpointing_memory: float = Field(
+        default=DEFAULT_CHECKPOINTING_MEMORY,
+        gt=0.0,
+        lt=1.0,
+        json_schema_extra={
+            "description": "fastqwen_checkpointing: auto: the fraction of the GPU's memory a step's peak allocation "
+            "may reach (the rest is left to the allocator's cache and other processes)."
+        },
+    )
 
     @field_validator("fastqwen_token_budget")
     @classmethod
@@ -75,6 +93,29 @@ class FastQwenArgs(BaseModel):
                 f"unknown axolotl_fastqwen option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; the "
                 f"options are {', '.join(sorted(known))}."
             )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checkpointing_auto_needs(cls, data: Any) -> Any:
+        """`auto` sizes itself from measured steps of one static shape, under HF's per-layer checkpointing."""
+        if not isinstance(data, dict) or data.get("fastqwen_checkpointing") != "auto":
+            return data
+        needs = []
+        if not data.get("gradient_checkpointing"):
+            needs.append("`gradient_checkpointing: true` (auto chooses which layers recompute; without "
+                         "checkpointing none does)")
+        if not _packing_on(data):
+            needs.append("the plugin's packer (`fastqwen_packing: true`): the memory of one step holds for the "
+                         "next only with its static-shape rows")
+        if data.get("torch_compile") not in (None, False, ""):
+            needs.append("no `torch_compile` (each change of the recomputed layers would recompile)")
+        if data.get("activation_offloading") not in (None, False, ""):
+            needs.append("no `activation_offloading` (offloaded activations do not show in GPU memory, so the "
+                         "fit would keep too many)")
+        if needs:
+            raise ValueError(f"fastqwen_checkpointing: auto needs {'; '.join(needs)}. Fix these or set "
+                             "`fastqwen_checkpointing: full`.")
         return data
 
     @model_validator(mode="before")

@@ -5,7 +5,8 @@ YAML or not, so each hook first asks whether this run named the plugin; if not, 
 Hooks used: `register` (named or not), `get_input_args` (our config keys), `pre_model_load`
 (fail early on an unsupported model or kernel mode), `post_model_load` (patch the final model,
 adapters included), `get_collator_cls_and_kwargs` (the packer's collator),
-`post_trainer_create` (the packer's batch sampler, exact step counts, the report).
+`post_trainer_create` (the packer's batch sampler, exact step counts, the report, and the
+trainer callbacks: `fastqwen_checkpointing: auto`, the report re-written at the end).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class FastQwenPlugin(BasePlugin):
         super().__init__()
         self.active = False
         self.report = None
+        self.checkpointing = None  # a CheckpointFitter under fastqwen_checkpointing: auto, once training starts
         alias_bare_name()
 
     # ---- configuration ---------------------------------------------------------------------
@@ -109,13 +111,17 @@ class FastQwenPlugin(BasePlugin):
         else:
             packing_report = None
         self._write_report(cfg, trainer, packing_report)
+        if cfg.get("fastqwen_checkpointing") == "auto":
+            trainer.add_callback(_FitCheckpointing(self, cfg))
         trainer.add_callback(_ReportOnTrainEnd(self, cfg, trainer, packing_report))
 
     def _write_report(self, cfg, trainer, packing_report) -> None:
         if not trainer.is_world_process_zero():
             return
+        checkpointing = (self.checkpointing.to_dict() if self.checkpointing is not None
+                         else {"mode": cfg.get("fastqwen_checkpointing") or "full"})
         data = {"plugin": "axolotl_fastqwen", "kernels": self.report.to_dict() if self.report else None,
-                "packing": packing_report or {"active": False}}
+                "packing": packing_report or {"active": False}, "checkpointing": checkpointing}
         out = Path(cfg.get("output_dir") or trainer.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
@@ -156,6 +162,35 @@ def check_model_type(cfg) -> None:
 
 def _packing(cfg) -> bool:
     return cfg.get("fastqwen_packing", True) is not False
+
+
+class _FitCheckpointing(TrainerCallback):
+    """`fastqwen_checkpointing: auto` (checkpointing.py) around every optimizer step. Built at train
+    begin: the Trainer turns gradient checkpointing on just before it."""
+
+    def __init__(self, plugin, cfg):
+        self.plugin, self.cfg = plugin, cfg
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from .checkpointing import DEFAULT_CHECKPOINTING_MEMORY, CheckpointFitter, memory_of
+
+        self.plugin.checkpointing = CheckpointFitter(model, memory_of(training_device()),
+                                                     fraction=float(self.cfg.get("fastqwen_checkpointing_memory")
+                                                                    or DEFAULT_CHECKPOINTING_MEMORY))
+        LOG.info("axolotl_fastqwen: fastqwen_checkpointing: auto: %s", self.plugin.checkpointing.summary())
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.plugin.checkpointing is not None:
+            self.plugin.checkpointing.step_begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.plugin.checkpointing is not None:
+            self.plugin.checkpointing.step_end()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.plugin.checkpointing is not None:
+            LOG.info("axolotl_fastqwen: checkpointing: %s", self.plugin.checkpointing.summary())
+            self.plugin.checkpointing.restore()
 
 
 class _ReportOnTrainEnd(TrainerCallback):

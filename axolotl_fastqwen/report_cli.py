@@ -55,4 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  batch shapes seen: train {shapes.get('train')}, eval {shapes.get('eval')}")
     for line in format_packing(data.get("packing") or {}):
         print(line)
+    checkpointing = data.get("checkpointing") or {}
+    if checkpointing.get("mode") == "auto":
+        print(f"checkpointing (auto): {checkpointing.get('summary', 'not started')}")
     return 0

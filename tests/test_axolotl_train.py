@@ -75,6 +75,7 @@ def test_class_form_patches_packs_and_reports(tmp_path):
     # every training and evaluation batch had the one static shape
     assert kernels["batch_shapes"] == {"train": [[1, 1024]], "eval": [[1, 1024]]}
     assert packing["active"] and packing["row_shape"] == [1, 1024]
+    assert r["checkpointing"] == {"mode": "full"}  # the default: the trainer's checkpointing as configured
     epoch = packing["epochs"][0]
     assert epoch["bins"] < epoch["padded_batches"] and epoch["over_lower_bound_pct"] <= 2.0
     assert "Gated DeltaNet + 1 attention layers patched" in log  # the load-time table is printed
@@ -111,6 +112,25 @@ def test_contradictory_config_fails_at_load_naming_key_and_fix(tmp_path):
     assert run.returncode != 0
     assert "`sample_packing: True`" in out and "set `fastqwen_packing: false`" in out
     assert "Loading model" not in out  # failed at config load, before any model work
+
+
+def test_checkpointing_auto_runs_and_reports_why_it_recomputes_everything_on_cpu(tmp_path):
+    """`fastqwen_checkpointing: auto` through Axolotl: the trainer callback is installed, builds
+    its fitter after the Trainer turned checkpointing on, and the report says what it decided
+    (a CPU has no peak-memory counters: every layer recomputed). The GPU fit is in
+    test_gpu_kernels.py and the bench's path l."""
+    log = train(config(tmp_path, gradient_checkpointing=True, fastqwen_checkpointing="auto"))
+    ckpt = report(tmp_path)["checkpointing"]
+    assert ckpt["mode"] == "auto" and ckpt["phase"] == "off" and ckpt["layers"] == 4, ckpt
+    assert "no CUDA device" in ckpt["summary"] and "fastqwen_checkpointing: auto: every layer recomputed" in log
+
+
+def test_checkpointing_auto_without_checkpointing_fails_at_config_load(tmp_path):
+    run = axolotl("preprocess", str(config(tmp_path, gradient_checkpointing=False, fastqwen_checkpointing="auto")))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "fastqwen_checkpointing: auto needs `gradient_checkpointing: true`" in out
+    assert "Loading model" not in out
 
 
 def train_losses(log: str) -> list[float]:

@@ -64,8 +64,8 @@ def test_bench_writes_complete_json(bench):
     assert result["schema"] == "axolotl_fastqwen.bench/1" and result["partial"] is False
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
-        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen", "stock-moe-eager",
-        "stock-moe-grouped-mm",
+        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen", "fastqwen+ckpt-auto",
+        "axolotl-best+fastqwen+ckpt-auto", "stock-moe-eager", "stock-moe-grouped-mm",
     ]
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
@@ -257,8 +257,10 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
                                       "axolotl-best-cce"]
-    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-4:] == (
-        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen")  # Axolotl's patches last
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-5:] == (
+        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen",
+        "axolotl-best+fastqwen+ckpt-auto")  # Axolotl's patches last
+    assert parse_paths("l,m,k") == ["fastqwen+ckpt-auto", "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto"]
     with pytest.raises(ValueError, match="f=axolotl-best"):
         parse_paths("z")
 
@@ -309,6 +311,25 @@ def test_budget_shares_and_reference_ratios():
     ref = reference_ratios(records)
     assert ref["path"] == "axolotl-best-cce" and [r.get("x_axolotl_best") for r in records] == [0.8, 1.0, 1.2, None]
     assert reference_ratios([{"name": "fastqwen", "status": "ok", "tokens_per_s": 1.0}])["path"] is None
+
+
+def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_on_cpu(tmp_path):
+    """Path m is path e under fastqwen_checkpointing: auto. A CPU has no peak-memory counters, so
+    the fitter recomputes every layer and says why; the losses are path e's (same weights, same rows)."""
+    rc = main(["bench", *TINY, "--paths", "e,m", "--gc", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    e, m = _path(result, "fastqwen"), _path(result, "fastqwen+ckpt-auto")
+    assert rc == 0 and e["status"] == m["status"] == "ok"
+    assert m["checkpointing"]["phase"] == "off" and "no CUDA device" in m["checkpointing"]["summary"]
+    assert m["calibration_loss"] == e["calibration_loss"]
+    # its fitting steps ran on extra rows: the timed rows are path e's (same tokens, same slots)
+    assert m["rows"]["timed"] == e["rows"]["timed"] == [1] and m["rows"]["profiled"] == e["rows"]["profiled"] == 0
+    assert m["rows"]["warmup"] == [2, 3, 4, 5] and e["rows"]["warmup"] == []
+    assert m["real_tokens_per_step"] == e["real_tokens_per_step"]
+    assert "fastqwen_checkpointing: auto" in (tmp_path / "bench.md").read_text()
+    rc = main(["bench", *TINY, "--paths", "m", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "nogc")])
+    skipped = _path(json.loads((tmp_path / "nogc" / "bench.json").read_text()), "fastqwen+ckpt-auto")
+    assert skipped["status"] == "skipped" and "--gc" in skipped["error"]
 
 
 def test_bench_runs_forwards_under_bf16_autocast_when_asked(tmp_path):

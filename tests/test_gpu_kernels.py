@@ -254,3 +254,37 @@ def test_axolotl_fused_lora_projections_run_inside_the_patched_layers(gpu_record
     gpu_record({"test": "axolotl_fused_lora_inside_patched_layers", "logits_rel_err": err, "tolerance": MODEL_TOL,
                 "stood_in": stood_in})
     assert err <= MODEL_TOL
+
+
+def test_checkpoint_fitter_on_the_gpu(gpu_record):
+    """`fastqwen_checkpointing: auto` with the CUDA allocator's real counters on an 8-layer 27B
+    slice: the probe raises the peak, the fit keeps whole periods, and the kept layers' gradients
+    equal those of every layer recomputed (the same batch; bf16 whole-model tolerance)."""
+    from axolotl_fastqwen.checkpointing import GIB, CheckpointFitter, memory_of
+
+    model = _model_27b_slice(layers=8).to(torch.bfloat16).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patch_model(model, backend="auto")
+    _, batch = _packed_batch()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    step()  # self-check and autotuning out of the way
+    recomputed = step()
+    fitter = CheckpointFitter(model, memory_of(torch.device("cuda")))
+    for _ in range(6):
+        fitter.step_begin()
+        kept_grads = step()
+        fitter.step_end()
+    d = fitter.to_dict()
+    err = _rel(kept_grads, recomputed)
+    gpu_record({"test": "checkpoint_fitter", "fitter": d, "grad_rel_err_vs_all_recomputed": err,
+                "tolerance": MODEL_TOL})
+    fitter.restore()
+    unpatch_model(model)
+    assert d["phase"] == "settled" and d["kept_layers"] >= 4 and d["kept_layers"] % 4 == 0, d
+    assert d["gib_per_period"] > 0.05 and d["base_peak_gib"] * GIB < fitter.limit
+    assert err <= MODEL_TOL

@@ -311,7 +311,7 @@ MFU_FORMULA = (
     "matmuls at chunk C=64: 6*Dk*Dv (state read, write, correction) + 6*C*Dk (QK^T, KK^T, W) + 4*C*Dv (U, intra "
     "output) + 2*C^2/3 (triangular solve) + 2*conv_width*conv_dim/H_v (depthwise conv), backward = 2x forward. "
     "Hardware FLOPs add the forward recomputed by gradient checkpointing: 2*(N_mm - N_lm_head)*T + F_gdn*T + "
-    "sum F_attn. Only real tokens count (padding is waste). MFU = model FLOPs / step time / peak; "
+    "sum F_attn, times the fraction of layers recomputed (fastqwen_checkpointing: auto recomputes fewer). Only real tokens count (padding is waste). MFU = model FLOPs / step time / peak; "
     "HFU = hardware FLOPs / step time / peak; peak = a measured 8192^3 bf16 matmul on this GPU."
 )
 
@@ -332,8 +332,9 @@ def attention_flops(lengths, config) -> float:
     return n_attn * per_layer
 
 
-def step_flops(lengths, config, matmul: dict, *, full: bool, gc: bool, lora_params: int = 0) -> dict:
-    """Model and hardware FLOPs of one training step over sequences of `lengths` (real tokens)."""
+def step_flops(lengths, config, matmul: dict, *, full: bool, gc: float, lora_params: int = 0) -> dict:
+    """Model and hardware FLOPs of one training step over sequences of `lengths` (real tokens);
+    `gc`: the fraction of the decoder layers that gradient checkpointing recomputes (True: all)."""
     tokens = float(sum(lengths))
     n_gdn = list(config.layer_types).count("linear_attention")
     gdn_fwd = n_gdn * gdn_flops_per_token(config) * tokens
@@ -342,5 +343,5 @@ def step_flops(lengths, config, matmul: dict, *, full: bool, gc: bool, lora_para
     model = tokens * c_w * matmul["total"] + 3 * gdn_fwd + 3 * attn_fwd + 6 * lora_params * tokens
     hardware = model
     if gc:
-        hardware += 2 * (matmul["total"] - matmul["lm_head"]) * tokens + gdn_fwd + attn_fwd
+        hardware += float(gc) * (2 * (matmul["total"] - matmul["lm_head"]) * tokens + gdn_fwd + attn_fwd)
     return {"model": model, "hardware": hardware}

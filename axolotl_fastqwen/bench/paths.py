@@ -70,6 +70,15 @@ PATHS: dict[str, PathSpec] = {
             "Liger norms/GLU, ScatterMoE), the plugin's layers, loss and packer replace the rest",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto", "packed",
+            "fastqwen with fastqwen_checkpointing: auto (activations kept for as many layers as fit, the rest "
+            "recomputed; needs --gc)",
+        ),
+        PathSpec(
+            "axolotl-best+fastqwen+ckpt-auto", "packed",
+            "axolotl-best+fastqwen with fastqwen_checkpointing: auto (needs --gc)",
+        ),
+        PathSpec(
             "stock-moe-eager", "padded",
             "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation eager, padded batches",
         ),
@@ -83,16 +92,20 @@ PATHS: dict[str, PathSpec] = {
 LETTERS = {
     "a": "stock-torch-padded", "b": "stock-fla-padded", "c": "stock-fla-flattening", "d": "axolotl-packing",
     "e": "fastqwen", "f": "axolotl-best", "g": "axolotl-best-cce", "h": "stock-moe-eager", "i": "stock-moe-grouped-mm",
-    "j": "fastqwen-lora-kernels", "k": "axolotl-best+fastqwen",
+    "j": "fastqwen-lora-kernels", "k": "axolotl-best+fastqwen", "l": "axolotl-best+fastqwen+ckpt-auto",
+    "m": "fastqwen+ckpt-auto",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
-    "fastqwen", "fastqwen-lora-kernels", "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen",
+    "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
+    "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto",
 )
 # every speed claim is a ratio to the faster of these (same run, model and stream)
 REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
 EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm"}
+# path -> the path it repeats with fastqwen_checkpointing: auto (the bench's loop drives the fitter)
+CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen"}
 
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
@@ -122,6 +135,10 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
               dtype: torch.dtype = torch.float32, gc: bool = False) -> Iterator[dict]:
     """Set the model up for path `name`; yields an info dict the path's record keeps."""
     info: dict = {"notes": []}
+    if name in CHECKPOINTING_AUTO:
+        if not gc:
+            raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
+        name = CHECKPOINTING_AUTO[name]
     if name in EXPERTS_PATHS:
         if not registry.family(family).moe:
             raise PathSkipped(f"{family} is a dense model: no experts")

@@ -24,7 +24,7 @@ import torch
 
 from . import data, measure
 from .measure import TRITON
-from .paths import LETTERS, PATHS, REFERENCE_PATHS, PathSkipped, installed, parse_paths
+from .paths import CHECKPOINTING_AUTO, LETTERS, PATHS, REFERENCE_PATHS, PathSkipped, installed, parse_paths
 from .shapes import DEFAULT_SHAPE, SHAPES, build_config, build_model, get_shape, init_weights_, linear_params
 from .shapes import lora_target_parameters, lora_targets, matmul_params_per_token
 
@@ -313,13 +313,20 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
     stage so a killed run leaves a partial record."""
     args, device, model = setup.args, setup.device, setup.model
     spec = PATHS[name]
-    n_total = args.warmup + 1 + args.steps
+    fit = name in CHECKPOINTING_AUTO and args.gc
+    n_common = args.warmup + 1 + args.steps
+    n_total = n_common + (FIT_STEPS if fit else 0)
+    # every path profiles row `warmup` and times the rows after it; a fitting path first runs its
+    # fitting steps on rows past those (so its timed rows are every other path's)
+    warm_rows = list(range(n_common, n_total)) + list(range(args.warmup))
+    warmup = len(warm_rows)
     record["notes"] = []  # a retry starts over
     setup.reset()
     optimizer = setup.optimizer()
     measure.free_memory(device)
     counters0 = (TRITON.snapshot(), measure.dynamo_snapshot())
-    with installed(name, model, setup.family, device, setup.dtype, bool(args.gc)) as info:
+    with installed(name, model, setup.family, device, setup.dtype, bool(args.gc)) as info, \
+            contextlib.ExitStack() as undo:
         record["notes"] += info["notes"]
         for key in ("stock_kernels", "axolotl_components", "axolotl_config"):
             if key in info:
@@ -342,22 +349,38 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
             f"targets ({record['calibration_seconds']} s)")
         progress()
 
+        fitter = None
+        if fit:
+            from ..checkpointing import CheckpointFitter, memory_of
+
+            fitter = CheckpointFitter(model, memory_of(device))
+            undo.callback(fitter.restore)  # an error or OOM mid-path must not leave layers un-checkpointed
+
         def step(k: int, optimizer=optimizer) -> torch.Tensor:
-            return train_step(model, optimizer, data.to_device(batches[k], device), setup.amp)
+            if fitter is not None:
+                fitter.step_begin()
+            loss = train_step(model, optimizer, data.to_device(batches[k], device), setup.amp)
+            if fitter is not None:
+                fitter.step_end()
+                record["checkpointing"] = fitter.to_dict()
+            return loss
 
         losses, warm = [], []
-        for i in range(args.warmup):
-            seconds, loss = _timed(lambda i=i: step(i), device)
+        for i, row in enumerate(warm_rows):
+            seconds, loss = _timed(lambda row=row: step(row), device)
             warm.append(seconds)
             losses.append(loss)
-            log(f"[{name}] warm-up {i + 1}/{args.warmup}: {seconds:.2f} s, loss {loss:.4f}")
+            log(f"[{name}] warm-up {i + 1}/{warmup}: {seconds:.2f} s, loss {loss:.4f}"
+                + (f"; checkpointing: {fitter.summary()}" if fitter is not None else ""))
             record["warmup_seconds"] = [round(x, 3) for x in warm]
             progress()
-            if time.perf_counter() - started > limit and i + 1 < args.warmup:
+            if time.perf_counter() - started > limit and i + 1 < warmup:
                 record["notes"].append(f"warm-up cut to {i + 1} steps (path budget {limit:.0f} s)")
                 break
+        if fitter is not None and fitter.phase not in ("settled", "off"):
+            record["notes"].append(f"checkpointing not settled by the timed steps ({fitter.summary()})")
         counters1 = (TRITON.snapshot(), measure.dynamo_snapshot())
-        w = len(warm)
+        w = args.warmup  # the profiled row; the timed rows follow it (the same rows in every path)
         prof = measure.count_launches(lambda: step(w), device)
         losses.append(float(prof["result"]))
         record["launches"] = prof["launches"]
@@ -366,14 +389,17 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         log(f"[{name}] profiled step: {prof['launches']['count']} {prof['launches']['unit']}, "
             f"GPU kernel time {prof['launches']['gpu_kernel_ms']} ms")
         times, tokens, flops_model, flops_hw, slots = [], [], 0.0, 0.0, []
+        record["rows"] = {"warmup": warm_rows[:len(warm)], "profiled": w, "timed": []}
         for j in range(args.steps):
             k = w + 1 + j
+            record["rows"]["timed"].append(k)
             seconds, loss = _timed(lambda k=k: step(k), device)
             times.append(seconds)
             losses.append(loss)
             tokens.append(sum(lengths[k]))
             slots.append(data.slots(batches[k]))
-            f = measure.step_flops(lengths[k], setup.config, setup.matmul, full=args.full, gc=args.gc,
+            recomputed = (fitter.recomputed_fraction() if fitter is not None else 1.0) if args.gc else 0.0
+            f = measure.step_flops(lengths[k], setup.config, setup.matmul, full=args.full, gc=recomputed,
                                    lora_params=setup.lora_params)
             flops_model += f["model"]
             flops_hw += f["hardware"]
@@ -383,6 +409,8 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
                 log(f"[{name}] {record['truncated']}")
                 break
         counters2 = (TRITON.snapshot(), measure.dynamo_snapshot())
+        if fitter is not None:
+            record["checkpointing"] = fitter.to_dict()
     if "patch_report" in info:
         record["patch_report"] = info["patch_report"]
     optimizer.zero_grad(set_to_none=True)
@@ -473,6 +501,7 @@ def run_path(setup: Setup, name: str, limit: float | None = None, record: dict |
     return record
 
 
+FIT_STEPS = 4  # fastqwen_checkpointing: auto: 2 settling steps, a probe, the fitted step's check
 MIN_PATH_SECONDS = 20.0  # a path given less than this by --max-total-seconds is skipped, not started
 
 
@@ -596,6 +625,11 @@ def markdown(result: dict) -> str:
         for c in comps:
             why = "; ".join(c["effect"]) if c["status"] == "applied" else c["reason"]
             lines.append(f"| {c['key']} | {c['status']} | `{c['function']}`: {why.replace('|', '/')} |")
+    for r in result["paths"]:
+        if r.get("checkpointing"):
+            lines += ["", f"{r['name']}: fastqwen_checkpointing: auto: {r['checkpointing']['summary']}; steps: "
+                      + "; ".join(f"after step {d['step']}: keep {d['kept_layers']} ({d['why']}, peak {d['peak_gib']} GiB)"
+                                  for d in r["checkpointing"]["decisions"])]
     notes = [f"- {r['name']}: {r['error'][:300]}" for r in result["paths"] if r.get("error")]
     notes += [f"- {r['name']}: {n}" for r in result["paths"] for n in r.get("notes", [])]
     notes += [f"- {n}" for n in result.get("notes", [])]
@@ -669,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     start = time.time()
     start_perf = time.perf_counter()
-    setup = prepare(args, steps_per_path=args.warmup + 1 + args.steps)
+    setup = prepare(args, steps_per_path=args.warmup + FIT_STEPS + 1 + args.steps)  # room for a fitting path
     w = setup.workload
     result = {
         "schema": SCHEMA,

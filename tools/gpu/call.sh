@@ -15,13 +15,17 @@ for stage in ${STAGES:-tests}; do
       FASTQWEN_GPU_RESULTS="$RES/gpu_tests.json" timeout "${TESTS_S:-220}" \
         python3 -m pytest -q tests/test_gpu_kernels.py -p no:cacheprovider -rs > "$RES/pytest_gpu.log" 2>&1
       tail -25 "$RES/pytest_gpu.log" ;;
+    fittest) # fastqwen_checkpointing: auto on the real CUDA counters (also warms fla's autotuning at 27B head dims)
+      FASTQWEN_GPU_RESULTS="$RES/gpu_fit.json" timeout "${FIT_S:-200}" \
+        python3 -m pytest -q tests/test_gpu_kernels.py -k checkpoint_fitter -p no:cacheprovider -rs > "$RES/pytest_fit.log" 2>&1
+      tail -8 "$RES/pytest_fit.log" ;;
     bench64) # issue 12: the 27B shape at full depth against Axolotl's best configuration
-      timeout "${BENCH_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-27b --gc --paths d,e,f,j --steps 3 --warmup 1 \
-        --max-path-seconds 110 --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" --out "$RES/l64" > "$RES/l64.log" 2>&1
+      timeout "${BENCH_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-27b --gc --paths "${BENCH_PATHS:-d,e,f,j}" --steps 3 --warmup 1 \
+        --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" --out "$RES/l64" > "$RES/l64.log" 2>&1
       tail -30 "$RES/l64.log" ;;
     moe40)   # issue 13: Qwen3.5-35B-A3B at full depth
-      timeout "${MOE_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-35b-a3b --gc --paths i,e,f --steps 3 --warmup 1 \
-        --max-path-seconds 120 --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" --out "$RES/moe40" > "$RES/moe40.log" 2>&1
+      timeout "${MOE_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-35b-a3b --gc --paths "${MOE_PATHS:-i,e,f}" --steps 3 --warmup 1 \
+        --max-path-seconds "${PATH_S:-120}" --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" --out "$RES/moe40" > "$RES/moe40.log" 2>&1
       tail -30 "$RES/moe40.log" ;;
     profile64) # issue 12 §2: kernel time by category at full depth, plugin path
       timeout "${PROFILE_S:-150}" python3 -m axolotl_fastqwen profile --model qwen3.5-27b --gc --path fastqwen \
