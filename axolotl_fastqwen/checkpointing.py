@@ -240,8 +240,9 @@ class CheckpointFitter:
     def summary(self) -> str:
         if self.phase == "off":
             return f"every layer recomputed ({self.off_reason})"
-        return (f"activations kept for the last {self.kept} of {len(self.layers)} layers, {len(self.layers) - self.kept} "
-                f"recomputed ({self.phase}, limit {self.fraction:.0%} of the device = {self.limit / GIB:.1f} GiB)")
+        n = len(self.layers)
+        return (f"activations kept for the last {self.kept} of {n} layers, {n - self.kept} recomputed ({self.phase}, "
+                f"limit {self.fraction:.0%} of the device = {self.limit / GIB:.1f} GiB)")
 
     def to_dict(self) -> dict:
         return {

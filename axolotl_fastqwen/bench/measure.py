@@ -311,7 +311,8 @@ MFU_FORMULA = (
     "matmuls at chunk C=64: 6*Dk*Dv (state read, write, correction) + 6*C*Dk (QK^T, KK^T, W) + 4*C*Dv (U, intra "
     "output) + 2*C^2/3 (triangular solve) + 2*conv_width*conv_dim/H_v (depthwise conv), backward = 2x forward. "
     "Hardware FLOPs add the forward recomputed by gradient checkpointing: 2*(N_mm - N_lm_head)*T + F_gdn*T + "
-    "sum F_attn, times the fraction of layers recomputed (fastqwen_checkpointing: auto recomputes fewer). Only real tokens count (padding is waste). MFU = model FLOPs / step time / peak; "
+    "sum F_attn, times the fraction of layers recomputed (fastqwen_checkpointing: auto recomputes fewer). "
+    "Only real tokens count (padding is waste). MFU = model FLOPs / step time / peak; "
     "HFU = hardware FLOPs / step time / peak; peak = a measured 8192^3 bf16 matmul on this GPU."
 )
 

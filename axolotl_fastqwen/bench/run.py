@@ -627,9 +627,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {c['key']} | {c['status']} | `{c['function']}`: {why.replace('|', '/')} |")
     for r in result["paths"]:
         if r.get("checkpointing"):
-            lines += ["", f"{r['name']}: fastqwen_checkpointing: auto: {r['checkpointing']['summary']}; steps: "
-                      + "; ".join(f"after step {d['step']}: keep {d['kept_layers']} ({d['why']}, peak {d['peak_gib']} GiB)"
-                                  for d in r["checkpointing"]["decisions"])]
+            steps = "; ".join(f"after step {d['step']}: keep {d['kept_layers']} ({d['why']}, peak {d['peak_gib']} GiB)"
+                              for d in r["checkpointing"]["decisions"])
+            lines += ["", f"{r['name']}: fastqwen_checkpointing: auto: {r['checkpointing']['summary']}; steps: {steps}"]
     notes = [f"- {r['name']}: {r['error'][:300]}" for r in result["paths"] if r.get("error")]
     notes += [f"- {r['name']}: {n}" for r in result["paths"] for n in r.get("notes", [])]
     notes += [f"- {n}" for n in result.get("notes", [])]
