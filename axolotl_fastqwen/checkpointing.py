@@ -40,6 +40,7 @@ GIB = 1024**3
 # allocator's cache, fragmentation and other processes (`fastqwen_checkpointing_memory`)
 DEFAULT_CHECKPOINTING_MEMORY = 0.85
 SETTLE_STEPS = 2  # steps at full recompute before the baseline: the first step creates the optimizer's state
+FIT_STEPS = SETTLE_STEPS + 2  # + the probe step + the step that checks the fit: then it is settled
 
 
 class DeviceMemory(Protocol):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpointing import FIT_STEPS, CheckpointFitter, memory_of
 from . import data, measure
 from .measure import TRITON
 from .paths import CHECKPOINTING_AUTO, LETTERS, PATHS, REFERENCE_PATHS, PathSkipped, installed, parse_paths
@@ -351,8 +352,6 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
 
         fitter = None
         if fit:
-            from ..checkpointing import CheckpointFitter, memory_of
-
             fitter = CheckpointFitter(model, memory_of(device))
             undo.callback(fitter.restore)  # an error or OOM mid-path must not leave layers un-checkpointed
 
@@ -409,8 +408,6 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
                 log(f"[{name}] {record['truncated']}")
                 break
         counters2 = (TRITON.snapshot(), measure.dynamo_snapshot())
-        if fitter is not None:
-            record["checkpointing"] = fitter.to_dict()
     if "patch_report" in info:
         record["patch_report"] = info["patch_report"]
     optimizer.zero_grad(set_to_none=True)
@@ -501,7 +498,6 @@ def run_path(setup: Setup, name: str, limit: float | None = None, record: dict |
     return record
 
 
-FIT_STEPS = 4  # fastqwen_checkpointing: auto: 2 settling steps, a probe, the fitted step's check
 MIN_PATH_SECONDS = 20.0  # a path given less than this by --max-total-seconds is skipped, not started
 
 
