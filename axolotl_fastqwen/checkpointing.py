@@ -14,7 +14,14 @@ is the same every step, and it can be measured instead of guessed:
    hold 1.4 GiB each, and a fit on that slope ran out of memory);
 3. as many periods kept as `base + periods x cost` allows under `fastqwen_checkpointing_memory` of
    the device: an upper bound, since kept activations add at most their size to any moment;
-4. every later step is watched: a step whose peak goes over the limit gives one period back.
+4. the fitted step's own peak is then the new base: as many more periods are kept as still fit
+   under the limit at the measured cost (the probe's base peak comes from another phase of the
+   step, so the bound of 3. leaves room: on the H200, 27B, 64 layers, 44 layers kept peaked
+   6.4 GiB under a 125.8 GiB limit, and 48 then peaked at 125.1);
+5. every later step is watched: a step whose peak goes over the limit gives one period back, and
+   so does a settled step in which the allocator had to flush its cache and retry an allocation
+   (a device-wide stall; none was seen on the H200 at these limits, with or without expandable
+   segments, but fragmentation near a higher limit would cost more than recomputing 4 layers saves).
 
 The last layers are the ones kept, so their activations are freed before the recomputed layers
 start their own. The switch is transformers' own per-layer `gradient_checkpointing` flag
@@ -37,10 +44,11 @@ from .families.base import detect_family, unwrap
 LOG = logging.getLogger("axolotl_fastqwen")
 GIB = 1024**3
 # the peak *allocated* may reach this fraction of the GPU's memory; the rest is left to the
-# allocator's cache, fragmentation and other processes (`fastqwen_checkpointing_memory`)
-DEFAULT_CHECKPOINTING_MEMORY = 0.85
+# allocator's cache, fragmentation and other processes (`fastqwen_checkpointing_memory`). Measured
+# on the H200 (benchmarks/h200/2026-12-04b): 0 allocator retries at 0.85 and 0.90.
+DEFAULT_CHECKPOINTING_MEMORY = 0.90
 SETTLE_STEPS = 2  # steps at full recompute before the baseline: the first step creates the optimizer's state
-FIT_STEPS = SETTLE_STEPS + 2  # + the probe step + the step that checks the fit: then it is settled
+FIT_STEPS = SETTLE_STEPS + 3  # + the probe step, the step that checks the fit, one that checks a grown fit
 
 
 class DeviceMemory(Protocol):
@@ -50,6 +58,7 @@ class DeviceMemory(Protocol):
     def allocated(self) -> int: ...
     def reset_peak(self) -> None: ...
     def peak(self) -> int: ...
+    def retries(self) -> int: ...
 
 
 class CudaMemory:
@@ -69,6 +78,10 @@ class CudaMemory:
 
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def retries(self) -> int:
+        """Allocations so far that failed, flushed the cache and retried (a device sync each)."""
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
 
 def memory_of(device: torch.device) -> DeviceMemory | None:
@@ -120,6 +133,9 @@ class CheckpointFitter:
         self._turned_off: list[nn.Module] = []
         self._growth: dict[int, int] = {}
         self._hooks: list = []
+        self._retries_at_begin = 0
+        self.retries_seen = 0  # allocator retries in settled steps (each gave a period back)
+        self.ceiling: int | None = None  # a kept count that went over the limit or stalled: never again
         if memory is None:
             self._stop("no CUDA device: its peak memory cannot be measured")
         elif not any(getattr(layer, "gradient_checkpointing", False) for layer in self.layers):
@@ -130,6 +146,7 @@ class CheckpointFitter:
         if self.phase == "off":
             return
         self.memory.reset_peak()
+        self._retries_at_begin = self.memory.retries()
         if self.phase == "probing":
             self._watch_layers()
 
@@ -166,11 +183,29 @@ class CheckpointFitter:
                        f"{self.base_peak / GIB:.1f} GiB, limit {self.limit / GIB:.1f} GiB")
             return
         if peak > self.limit:
-            self.phase = "fitted"
+            self.phase, self.ceiling = "fitted", self.kept
             self._keep(max(0, self.kept - self.period), peak,
                        f"peak {peak / GIB:.1f} GiB over the limit {self.limit / GIB:.1f} GiB: one period back")
             return
+        retried = self.memory.retries() - self._retries_at_begin
+        if retried and self.phase == "settled" and self.kept:
+            # the step after a change may re-lay the cache once; a settled step must not stall
+            self.retries_seen += retried
+            self.phase, self.ceiling = "fitted", self.kept
+            self._keep(max(0, self.kept - self.period), peak,
+                       f"the allocator flushed its cache and retried {retried} allocation(s) in a settled step "
+                       "(fragmentation near the limit; each is a device-wide stall): one period back")
+            return
         if self.phase == "fitted":
+            room = self.limit - peak
+            more = int(room // self.period_bytes) * self.period if self.period_bytes else 0
+            cap = min(len(self.layers), self.ceiling - 1 if self.ceiling is not None else len(self.layers))
+            more = max(0, min(more, (cap - self.kept) // self.period * self.period))
+            if more:
+                self._keep(self.kept + more, peak,
+                           f"the step peaked at {peak / GIB:.1f} GiB: {room / GIB:.1f} GiB under the limit leaves "
+                           f"room for {more // self.period} period(s) more")
+                return
             self.phase = "settled"
             self.decisions.append(Decision(self.step, self.kept, round(peak / GIB, 2), "within the limit"))
             LOG.info("axolotl_fastqwen: checkpointing settled: %s", self.summary())
@@ -260,5 +295,6 @@ class CheckpointFitter:
             "gib_per_period": round(self.period_bytes / GIB, 3) if self.period_bytes is not None else None,
             "probe_gib_held_per_layer": ({k: [round(b / GIB, 3) for b in v] for k, v in self.layer_bytes.items()}
                                     if self.layer_bytes is not None else None),
+            "allocator_retries_in_settled_steps": self.retries_seen,
             "decisions": [vars(d) for d in self.decisions],
         }

@@ -324,7 +324,7 @@ def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_o
     assert m["calibration_loss"] == e["calibration_loss"]
     # its fitting steps ran on extra rows: the timed rows are path e's (same tokens, same slots)
     assert m["rows"]["timed"] == e["rows"]["timed"] == [1] and m["rows"]["profiled"] == e["rows"]["profiled"] == 0
-    assert m["rows"]["warmup"] == [2, 3, 4, 5] and e["rows"]["warmup"] == []
+    assert m["rows"]["warmup"] == [2, 3, 4, 5, 6] and e["rows"]["warmup"] == []
     assert m["real_tokens_per_step"] == e["real_tokens_per_step"]
     assert "fastqwen_checkpointing: auto" in (tmp_path / "bench.md").read_text()
     rc = main(["bench", *TINY, "--paths", "m", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "nogc")])
@@ -382,6 +382,18 @@ def test_profile_writes_trace_and_counts(tmp_path, capsys):
     assert report["unit"] == "cpu_ops" and report["launches_per_step"] > 100
     assert (tmp_path / report["trace"]).exists()
     assert "CPU ops per step" in capsys.readouterr().out
+
+
+def test_profile_drives_the_checkpoint_fitter_on_an_auto_path(tmp_path, capsys):
+    """A `fastqwen_checkpointing: auto` path is profiled as it trains: its fitting steps run in the
+    warm-up and the report carries the fitter's record (on a CPU: off, every layer recomputed)."""
+    rc = main(["profile", *TINY, "--gc", "--path", "fastqwen+ckpt-auto", "--steps", "1", "--warmup", "0",
+               "--no-trace", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert report["checkpointing"]["mode"] == "auto" and report["checkpointing"]["phase"] == "off"
+    out = capsys.readouterr().out
+    assert "warm-up 5/5" in out and "checkpointing:" in out
 
 
 def test_doctor_runs_on_cpu_and_says_what_a_gpu_would_use(tmp_path, capsys):

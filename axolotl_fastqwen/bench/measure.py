@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 import shutil
 import subprocess
 import time
@@ -28,6 +29,7 @@ class TritonCounters:
 
     def __init__(self):
         self.counts = collections.Counter()
+        self.compiled: list[str] = []  # the kernel of each JITFunction compile, in order (which one re-specialised)
         self.hooks: dict[str, str] = {}
         self.installed = False
 
@@ -76,7 +78,7 @@ class TritonCounters:
             self.hooks["autotune_benchmarks"] = "Autotuner._bench (one config timed)"
 
     def _hook_compile(self) -> None:
-        counts = self.counts
+        counts, compiled = self.counts, self.compiled
         try:
             from triton.runtime.jit import JITFunction
         except Exception as exc:
@@ -88,6 +90,7 @@ class TritonCounters:
             @functools.wraps(original)
             def do_compile(fn, *args, **kwargs):
                 counts["jit_compiles"] += 1
+                compiled.append(getattr(fn, "__name__", type(fn).__name__))
                 return original(fn, *args, **kwargs)
 
             JITFunction._do_compile = do_compile
@@ -138,6 +141,30 @@ def recompiles(dynamo_delta: dict[str, int]) -> int:
 # --------------------------------------------------------------------------------------------
 # Device helpers
 # --------------------------------------------------------------------------------------------
+
+
+# What `axolotl train` sets before torch touches the GPU (axolotl/cli/main.py:
+# set_pytorch_cuda_alloc_conf): the bench runs every path under the allocator a real run has.
+AXOLOTL_ALLOC_CONF = "expandable_segments:True"
+ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def configure_allocator(mode: str) -> dict:
+    """`--allocator axolotl`: expandable segments unless the environment already says otherwise
+    (as Axolotl's CLI does); `default`: torch's own. Call before the first CUDA allocation."""
+    given = {k: os.environ[k] for k in ALLOC_ENV if k in os.environ}
+    if mode == "axolotl" and not given:
+        os.environ["PYTORCH_ALLOC_CONF"] = AXOLOTL_ALLOC_CONF
+        return {"mode": mode, "PYTORCH_ALLOC_CONF": AXOLOTL_ALLOC_CONF, "set_by": "bench (as axolotl train does)"}
+    return {"mode": mode, **given, "set_by": "environment" if given else "torch default"}
+
+
+def expandable_segments(device: torch.device) -> bool | None:
+    """Whether the caching allocator is using expandable segments (read from its snapshot)."""
+    if device.type != "cuda":
+        return None
+    segments = torch.cuda.memory._snapshot(device).get("segments", [])
+    return any(seg.get("is_expandable", False) for seg in segments) if segments else None
 
 
 def sync(device: torch.device) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import contextlib
 import gzip
 import json
 import os
@@ -26,9 +27,10 @@ import time
 
 import torch
 
+from ..checkpointing import FIT_STEPS, CheckpointFitter, memory_of
 from . import data, measure
-from .paths import PATHS, PathSkipped, installed
-from .run import add_common_args, log, prepare, train_step
+from .paths import CHECKPOINTING_AUTO, PATHS, PathSkipped, installed
+from .run import add_common_args, environment, log, prepare, train_step
 
 GZIP_ABOVE_BYTES = 32 * 2**20
 RUNTIME_KINDS = ("cuda_runtime", "cuda_driver")
@@ -181,6 +183,8 @@ def _active(cpu, starts, t: float, scan: int = 4000) -> tuple[str, str | None]:
 
 
 def print_report(report: dict, device: torch.device) -> None:
+    if report.get("checkpointing"):
+        log(f"\ncheckpointing: {report['checkpointing']['summary']}")
     if device.type != "cuda":
         log(f"\nCPU ops per step (no GPU, so no kernel launches): {report['launches_per_step']:,}")
         log("\n(no GPU: top CPU ops by self time)\n" + report.get("cpu_table", ""))
@@ -207,54 +211,76 @@ def print_report(report: dict, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    setup = prepare(args, steps_per_path=args.warmup + args.steps)
+    fit = args.path in CHECKPOINTING_AUTO and args.gc
+    setup = prepare(args, steps_per_path=args.warmup + args.steps + (FIT_STEPS if fit else 0))
     spec = PATHS[args.path]
     os.makedirs(args.out, exist_ok=True)
     setup.reset()
     optimizer = setup.optimizer()
     try:
-        prof, wall, mbs = _profile_path(args, setup, spec, optimizer)
+        prof, wall, mbs, checkpointing = _profile_path(args, setup, spec, optimizer)
     except PathSkipped as exc:
         log(f"[{args.path}] skipped: {exc}")
         return 1
     log(f"[{args.path}] profiled {args.steps} steps in {wall:.2f} s; analysing ...")
-    return _report(args, setup, spec, prof, wall, mbs)
+    return _report(args, setup, spec, prof, wall, mbs, checkpointing)
 
 
 def _profile_path(args, setup, spec, optimizer):
+    """Warm-up (a fastqwen_checkpointing: auto path first runs its fitting steps), then N steps
+    under torch.profiler; the fitter keeps watching the profiled steps as it does in training."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     device, model = setup.device, setup.model
-    with installed(args.path, model, setup.family, device, setup.dtype, bool(args.gc)) as info:
+    fit = args.path in CHECKPOINTING_AUTO and args.gc
+    warmup = args.warmup + (FIT_STEPS if fit else 0)
+    with installed(args.path, model, setup.family, device, setup.dtype, bool(args.gc)) as info, \
+            contextlib.ExitStack() as undo:
         for note in info["notes"]:
             log(f"[{args.path}] note: {note}")
+        fitter = None
+        if fit:
+            fitter = CheckpointFitter(model, memory_of(device), fraction=args.checkpointing_memory)
+            undo.callback(fitter.restore)
+
+        def step(batch):
+            if fitter is not None:
+                fitter.step_begin()
+            loss = train_step(model, optimizer, data.to_device(batch, device), setup.amp)
+            if fitter is not None:
+                fitter.step_end()
+            return loss
+
         mbs = setup.micro_batch_size if spec.layout == "padded" else 1
-        steps = setup.workload.steps(spec.layout, args.warmup + args.steps, mbs)
+        steps = setup.workload.steps(spec.layout, warmup + args.steps, mbs)
         batches = [data.collate(spec.layout, [setup.workload.tokens(i) for i in ids], args.budget) for ids in steps]
-        for i in range(args.warmup):
+        for i in range(warmup):
             t = time.perf_counter()
-            loss = float(train_step(model, optimizer, data.to_device(batches[i], device), setup.amp))
-            log(f"[{args.path}] warm-up {i + 1}/{args.warmup}: {time.perf_counter() - t:.2f} s, loss {loss:.4f}")
+            loss = float(step(batches[i]))
+            log(f"[{args.path}] warm-up {i + 1}/{warmup}: {time.perf_counter() - t:.2f} s, loss {loss:.4f}"
+                + (f"; checkpointing: {fitter.summary()}" if fitter is not None else ""))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         measure.sync(device)
         t = time.perf_counter()
         with profile(activities=activities) as prof:
             for j in range(args.steps):
                 with record_function(f"fastqwen_bench_step_{j}"):
-                    train_step(model, optimizer, data.to_device(batches[args.warmup + j], device), setup.amp)
+                    step(batches[warmup + j])
                 measure.sync(device)
         wall = time.perf_counter() - t
-    return prof, wall, mbs
+        checkpointing = fitter.to_dict() if fitter is not None else None
+    return prof, wall, mbs, checkpointing
 
 
-def _report(args, setup, spec, prof, wall: float, mbs: int) -> int:
+def _report(args, setup, spec, prof, wall: float, mbs: int, checkpointing: dict | None) -> int:
     device = setup.device
     events = measure.kineto_events(prof)
     moe = bool(getattr(setup.config, "num_experts", 0))
     report = analyze(events, args.steps, args.gap_us, args.top, moe=moe)
     report.update(path=args.path, steps=args.steps, wall_ms_per_step=round(wall / args.steps * 1000, 1),
                   unit="cuda_kernels" if device.type == "cuda" else "cpu_ops", model=setup.info,
-                  micro_batch_size=mbs if spec.layout == "padded" else None)
+                  micro_batch_size=mbs if spec.layout == "padded" else None,
+                  checkpointing=checkpointing, versions=environment(device))
     if device.type != "cuda":
         report["gpu_kernel_ms_per_step"] = None
         cpu_ops = [e for e in events if "CPU" in str(measure._field(e, "device_type", ""))]

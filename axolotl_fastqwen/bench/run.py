@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpointing import FIT_STEPS, CheckpointFitter, memory_of
+from ..checkpointing import DEFAULT_CHECKPOINTING_MEMORY, FIT_STEPS, CheckpointFitter, memory_of
 from . import data, measure
 from .measure import TRITON
 from .paths import CHECKPOINTING_AUTO, LETTERS, PATHS, REFERENCE_PATHS, PathSkipped, installed, parse_paths
@@ -71,6 +71,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="run forwards under torch.autocast(bf16), as HF Trainer / Accelerate do for `bf16: true` "
         "(auto: on for a bf16 model on CUDA). Off runs peft's fp32 LoRA adapters as fp32 GEMMs",
     )
+    p.add_argument("--allocator", default="axolotl", choices=("axolotl", "default"),
+                   help="the CUDA caching allocator: as `axolotl train` sets it (expandable_segments:True, unless "
+                   "PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF is set) or torch's default")
+    p.add_argument("--checkpointing-memory", type=float, default=DEFAULT_CHECKPOINTING_MEMORY,
+                   help="fastqwen_checkpointing_memory of the ckpt-auto paths (fraction of the GPU's memory)")
     p.add_argument("--keep-fla-guard", action="store_true",
                    help="do not lift fla's Hopper guard (fla#640) even when its GDN passes the self-check")
 
@@ -145,6 +150,7 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
 
 def prepare(args, steps_per_path: int) -> Setup:
     """Peak matmul, model build (+ LoRA, gradient checkpointing), token stream."""
+    allocator = measure.configure_allocator(args.allocator)  # before the first CUDA allocation
     device, dtype = resolve_device(args)
     autocast = use_autocast(args, device, dtype)
     if device.type == "cuda":
@@ -207,6 +213,7 @@ def prepare(args, steps_per_path: int) -> Setup:
         "attn_implementation": config._attn_implementation,
         "fla_hopper_guard": guard,
         "autocast": autocast,
+        "allocator": {**allocator, "expandable_segments": measure.expandable_segments(device)},
     }
     experts = getattr(config, "num_experts", 0) or 0
     if experts:
@@ -352,7 +359,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
 
         fitter = None
         if fit:
-            fitter = CheckpointFitter(model, memory_of(device))
+            fitter = CheckpointFitter(model, memory_of(device), fraction=args.checkpointing_memory)
             undo.callback(fitter.restore)  # an error or OOM mid-path must not leave layers un-checkpointed
 
         def step(k: int, optimizer=optimizer) -> torch.Tensor:
@@ -379,6 +386,9 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         if fitter is not None and fitter.phase not in ("settled", "off"):
             record["notes"].append(f"checkpointing not settled by the timed steps ({fitter.summary()})")
         counters1 = (TRITON.snapshot(), measure.dynamo_snapshot())
+        memory = memory_of(device)  # allocator retries: a device-wide stall each (fragmentation)
+        retries1 = memory.retries() if memory is not None else None
+        compiled1 = len(TRITON.compiled)
         w = args.warmup  # the profiled row; the timed rows follow it (the same rows in every path)
         prof = measure.count_launches(lambda: step(w), device)
         losses.append(float(prof["result"]))
@@ -408,6 +418,8 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
                 log(f"[{name}] {record['truncated']}")
                 break
         counters2 = (TRITON.snapshot(), measure.dynamo_snapshot())
+        retries2 = memory.retries() if memory is not None else None
+        compiled_after = TRITON.compiled[compiled1:compiled1 + 20]
     if "patch_report" in info:
         record["patch_report"] = info["patch_report"]
     optimizer.zero_grad(set_to_none=True)
@@ -435,10 +447,12 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         mfu=round(flops_model / total_s / 1e12 / peak_tflops, 4),
         hfu=round(flops_hw / total_s / 1e12 / peak_tflops, 4),
         peak_memory_gib=measure.peak_memory_gib(device),
+        alloc_retries_after_warmup=retries2 - retries1 if retries1 is not None else None,
         dynamo_after_warmup=dyn_after,
         recompiles_after_warmup=measure.recompiles(dyn_after),
         triton_during_warmup=measure.delta(counters1[0], counters0[0]),
         triton_after_warmup=measure.delta(counters2[0], counters1[0]),
+        triton_compiled_after_warmup=compiled_after,
     )
 
 

@@ -15,21 +15,34 @@ for stage in ${STAGES:-tests}; do
       FASTQWEN_GPU_RESULTS="$RES/gpu_tests.json" timeout "${TESTS_S:-220}" \
         python3 -m pytest -q tests/test_gpu_kernels.py -p no:cacheprovider -rs > "$RES/pytest_gpu.log" 2>&1
       tail -25 "$RES/pytest_gpu.log" ;;
-    fittest) # fastqwen_checkpointing: auto on the real CUDA counters (also warms fla's autotuning at 27B head dims)
+    fittest) # fastqwen_checkpointing: auto on the real CUDA counters (also warms fla's autotuning at 27B head dims),
+             # and the experts self-check at the MoE shapes (FIT_K selects other GPU tests)
       FASTQWEN_GPU_RESULTS="$RES/gpu_fit.json" timeout "${FIT_S:-200}" \
-        python3 -m pytest -q tests/test_gpu_kernels.py -k checkpoint_fitter -p no:cacheprovider -rs > "$RES/pytest_fit.log" 2>&1
+        python3 -m pytest -q tests/test_gpu_kernels.py -k "${FIT_K:-checkpoint_fitter or experts_selfcheck}" -p no:cacheprovider -rs > "$RES/pytest_fit.log" 2>&1
       tail -8 "$RES/pytest_fit.log" ;;
     bench64) # issue 12: the 27B shape at full depth against Axolotl's best configuration
       timeout "${BENCH_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-27b --gc --paths "${BENCH_PATHS:-d,e,f,j}" --steps 3 --warmup 1 \
         --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" --out "$RES/l64" > "$RES/l64.log" 2>&1
       tail -30 "$RES/l64.log" ;;
+    bench64:*) # a variant of bench64: `bench64:<tag>` runs ARGS_<tag> (extra bench arguments, e.g.
+               # "--paths l --allocator default") into $RES/l64_<tag>
+      tag="${stage#bench64:}"; eval "extra=\${ARGS_${tag}:-}"
+      timeout "${BENCH_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-27b --gc --steps 3 --warmup 1 \
+        --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" $extra \
+        --out "$RES/l64_$tag" > "$RES/l64_$tag.log" 2>&1
+      tail -12 "$RES/l64_$tag.log" ;;
     moe40)   # issue 13: Qwen3.5-35B-A3B at full depth
       timeout "${MOE_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-35b-a3b --gc --paths "${MOE_PATHS:-i,e,f}" --steps 3 --warmup 1 \
-        --max-path-seconds "${PATH_S:-120}" --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" --out "$RES/moe40" > "$RES/moe40.log" 2>&1
+        --max-path-seconds "${PATH_S:-120}" --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" ${MOE_ARGS:-} --out "$RES/moe40" > "$RES/moe40.log" 2>&1
       tail -30 "$RES/moe40.log" ;;
-    profile64) # issue 12 §2: kernel time by category at full depth, plugin path
-      timeout "${PROFILE_S:-150}" python3 -m axolotl_fastqwen profile --model qwen3.5-27b --gc --path fastqwen \
-        --steps 2 --warmup 1 --no-trace --out "$RES/prof64" > "$RES/prof64.log" 2>&1
+    moe80)   # issue 13: Qwen3-Next-80B-A3B cut to the depth that fits one H200 (MOE80_LAYERS, default 24 of 48)
+      timeout "${MOE80_S:-300}" python3 -m axolotl_fastqwen bench --model qwen3-next-80b-a3b --layers "${MOE80_LAYERS:-24}" --gc \
+        --paths "${MOE80_PATHS:-m,f}" --steps 3 --warmup 1 --max-path-seconds "${PATH_S:-120}" \
+        --max-total-seconds "$(( ${MOE80_S:-300} - 40 ))" --out "$RES/moe80" > "$RES/moe80.log" 2>&1
+      tail -30 "$RES/moe80.log" ;;
+    profile64) # issue 12 §2: kernel time by category at full depth, one path (PROFILE_PATH, default the plugin's)
+      timeout "${PROFILE_S:-150}" python3 -m axolotl_fastqwen profile --model qwen3.5-27b --gc --path "${PROFILE_PATH:-fastqwen}" \
+        --steps 2 --warmup 1 --top 30 --no-trace --out "$RES/prof64" > "$RES/prof64.log" 2>&1
       tail -30 "$RES/prof64.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
