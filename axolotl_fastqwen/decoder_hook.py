@@ -20,6 +20,7 @@ from .boundaries import (
 )
 from .forward_context import ForwardContext
 from .kernels import CheckShapes, selfcheck
+from .kernels.experts_check import selfcheck_experts
 
 LOG = logging.getLogger("axolotl_fastqwen")
 
@@ -73,7 +74,9 @@ class DecoderPreHook:
     def _selfcheck_once(self) -> None:
         kernels = self.report.kernels
         if not kernels.checked:
-            selfcheck(kernels, check_shapes(self.base, kernel_input_dtype(self.base, kernels.device)))
+            dtype = kernel_input_dtype(self.base, kernels.device)
+            selfcheck(kernels, check_shapes(self.base, dtype))
+            self.report.experts_check = selfcheck_experts(self.base, dtype)  # MoE models: who runs the experts
             LOG.info("%s", self.report.format())
 
     def _lora_input_cast(self) -> None:

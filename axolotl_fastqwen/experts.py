@@ -24,6 +24,11 @@ def _is_experts(module: nn.Module) -> bool:
     return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
 
 
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's routed-experts modules, in model order."""
+    return [module for module in model.modules() if _is_experts(module)]
+
+
 def registered_implementations() -> list[str] | None:
     """The names transformers' `ExpertsInterface` dispatches here ("eager" first); None without it."""
     try:
@@ -56,7 +61,7 @@ def describe_experts(model: nn.Module) -> dict | None:
 
     Mixed settings (one implementation per module is possible) are listed in `by_module_kind`.
     """
-    found = [module for module in model.modules() if _is_experts(module)]
+    found = experts_modules(model)
     if not found:
         return None
     kinds = Counter()

@@ -77,6 +77,7 @@ class PatchReport:
     batch_shapes: dict[str, set] = field(default_factory=lambda: {"train": set(), "eval": set()})
     context: ForwardContext | None = field(default=None, repr=False)
     model: weakref.ref | None = field(default=None, repr=False)  # read live: who runs the experts
+    experts_check: object | None = None  # kernels.experts_check.ExpertsCheck, set at the first GPU forward
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -106,13 +107,22 @@ class PatchReport:
             "layers_patched": {"gated_deltanet": self.gated_deltanet_layers, "attention": self.attention_layers},
             "selfchecked": self.kernels.checked and self.kernels.device.type == "cuda",
             "ops": ops,
-            "experts": describe_experts(model) if model is not None else None,
+            "experts": self._experts(model),
             "notes": list(self.kernels.notes),
             "boundary_sources": sorted(self.boundary_sources),
             "forwards_without_trainable_tokens": self.context.empty_forwards() if self.context else 0,
             "batch_shapes": {k: sorted(list(s) for s in v) for k, v in self.batch_shapes.items()},
             "versions": self.versions,
         }
+
+    def _experts(self, model) -> dict | None:
+        experts = describe_experts(model) if model is not None else None
+        if experts is not None:
+            check = self.experts_check
+            experts["selfcheck"] = check.selfcheck if check is not None else (
+                "not self-checked (CPU)" if self.kernels.device.type != "cuda" else "not yet run (first forward)")
+            experts["rejected"] = check.to_dict()["rejected"] if check is not None else []
+        return experts
 
     def format(self) -> str:
         return format_report(self.to_dict())

@@ -26,6 +26,10 @@ def format_report(d: dict) -> str:
     if experts:
         lines.append(f"  {'routed experts':<22} {str(experts['implementation']):<16} {experts['modules']} x "
                      f"{experts['class']}, run by {experts['runner']} (not replaced by the plugin)")
+        if experts.get("selfcheck"):
+            rejected = experts.get("rejected") or []
+            lines.append(f"  {'':<22} {'':<16} self-check: {experts['selfcheck']}"
+                         + ("; not: " + "; ".join(rejected) if rejected else ""))
         for kind in experts.get("by_module_kind", [])[1:]:
             lines.append(f"  {'':<22} {str(kind['implementation']):<16} {kind['modules']} x {kind['class']}, run by "
                          f"{kind['runner']}")

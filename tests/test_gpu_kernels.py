@@ -288,3 +288,67 @@ def test_checkpoint_fitter_on_the_gpu(gpu_record):
     assert d["phase"] == "settled" and d["kept_layers"] >= 4 and d["kept_layers"] % 4 == 0, d
     assert d["gib_per_period"] > 0.05 and d["base_peak_gib"] * GIB < fitter.limit
     assert err <= MODEL_TOL
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+def test_experts_selfcheck_passes_grouped_mm_at_the_moe_shapes(shape, gpu_record):
+    """The routed experts as transformers runs them on a GPU (`grouped_mm`, its default) against
+    its eager loop in fp32 at the real expert shapes (hidden 2048, moe_intermediate 512, top-8 /
+    top-10), forward and backward incl. the expert weights' gradients, in bf16 (op tolerance)."""
+    import transformers
+
+    from axolotl_fastqwen.bench.shapes import build_experts, get_shape
+    from axolotl_fastqwen.kernels.experts_check import selfcheck_experts
+
+    experts = build_experts(get_shape(shape), torch.device("cuda"), torch.bfloat16, implementation="grouped_mm")
+    experts_cls = type(experts)
+    check = selfcheck_experts(experts, torch.bfloat16)
+    gpu_record({"test": "experts_selfcheck", "shape": shape, "class": experts_cls.__name__,
+                "implementation": check.implementation, "selfcheck": check.selfcheck,
+                "rejected": check.to_dict()["rejected"], "tolerance": OP_TOL, "transformers": transformers.__version__})
+    assert check.implementation == "grouped_mm" and not check.rejected, check
+
+
+def _moe_step(model, batch, mode: str, dtype, experts: str):
+    """One forward + backward of the MoE slice on `mode`'s kernels with `experts` experts; the
+    loss, the router's auxiliary loss and every gradient."""
+    model.to(dtype)
+    model.set_experts_implementation(experts)
+    report = patch_model(model, backend=mode)
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, output_router_logits=True)
+    out.loss.backward()
+    result = (float(out.loss.detach()), float(out.aux_loss.detach()), torch.cat([p.grad.float().flatten() for p in model.parameters()]),
+              report.backends())
+    unpatch_model(model)
+    return result
+
+
+def test_35b_a3b_slice_bf16_kernels_and_experts_match_fp32_reference(gpu_record):
+    """MoE at the real shapes (4 layers of Qwen3.5-35B-A3B: 256 experts top-8, the 248k head),
+    one packed row with the router's load-balancing loss on (`output_router_logits`): the plugin's
+    kernels with transformers' `grouped_mm` experts in bf16 against the PyTorch reference path
+    with the eager experts in fp32, same weights. Whole-model tolerance (5e-2) on the loss, the
+    auxiliary loss (bf16 can flip a near-tie top-8 choice; that moves it by far less) and the
+    global gradient."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from axolotl_fastqwen.bench.shapes import build_config, get_shape
+
+    config = build_config(get_shape("qwen3.5-35b-a3b"), layers=4)
+    config.router_aux_loss_coef = 0.01
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3_5MoeForCausalLM(config)
+    for name, p in model.named_parameters():  # non-trivial norms and gates, experts at a trained scale
+        if "norm" in name or "A_log" in name or "dt_bias" in name:
+            p.data += 0.1 * torch.randn_like(p)
+    _, batch = _packed_batch(vocab=config.vocab_size)
+    ref_loss, ref_aux, ref_grads, _ = _moe_step(model, batch, "reference", torch.float32, "eager")
+    loss, aux, grads, names = _moe_step(model, batch, "auto", torch.bfloat16, "grouped_mm")
+    errs = {"loss": abs(loss - ref_loss) / abs(ref_loss), "aux_loss": abs(aux - ref_aux) / abs(ref_aux),
+            "grad_global": _rel(grads, ref_grads)}
+    gpu_record({"test": "35b_a3b_slice_bf16_vs_fp32_reference", "layers": 4, "backends": names,
+                "loss_fp32": ref_loss, "loss_bf16": loss, "aux_loss_fp32": ref_aux, "aux_loss_bf16": aux,
+                "rel_err": errs, "tolerance": MODEL_TOL})
+    assert all(err <= MODEL_TOL for err in errs.values()), errs

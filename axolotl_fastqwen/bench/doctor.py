@@ -66,6 +66,31 @@ def _experts_backends(device: torch.device) -> dict[str, str]:
     return out
 
 
+def _experts_selfcheck(shape, device: torch.device) -> dict[str, str]:
+    """MoE shapes: the experts self-check of the first GPU forward, run now on one experts module at
+    the shape (transformers' default implementation here); a CPU says when it would run."""
+    from ..kernels.experts_check import selfcheck_experts
+    from .shapes import build_experts
+
+    if device.type != "cuda":
+        return {"selfcheck": "runs on the first GPU forward of an MoE model (the load report gives its result)"}
+    experts = build_experts(shape, device, torch.bfloat16)
+    if experts is None:
+        return {}
+    print(f"\nexperts self-check at {shape.name} shapes ...", flush=True)
+    try:
+        check = selfcheck_experts(experts, torch.bfloat16)
+    except Exception as exc:  # the doctor reports, it does not stop
+        return {"selfcheck": f"raised {type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        del experts
+        torch.cuda.empty_cache()
+    out = {"selfcheck": f"{check.implementation}: {check.selfcheck}"}
+    if check.rejected:
+        out["selfcheck_rejected"] = "; ".join(check.to_dict()["rejected"])
+    return out
+
+
 def _kernel_table(kernels) -> list[dict]:
     return [
         {"op": op, "backend": c.backend.name, "fallback": c.backend.fallback, "selfcheck": c.selfcheck,
@@ -203,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{fam}: {res}" for fam, res in findings["stock_resolution"].items()), flush=True)
 
     findings["experts"] = _experts_backends(device)
+    findings["experts"].update(_experts_selfcheck(shape, device))
     print("\nrouted experts (MoE models; run by transformers or an integration, not replaced by the plugin; the "
           "load report names the one a model uses): " + "; ".join(f"{k}: {v}" for k, v in findings["experts"].items()),
           flush=True)

@@ -248,11 +248,14 @@ def _selfcheck_now(report, model) -> None:
     """Run the plugin's GPU kernel self-check now, before the path's calibration forward, so that
     its kernel runs (and any autotuning they trigger) are not counted in the calibration time."""
     from ..families.base import unwrap
-    from ..decoder_hook import check_shapes
+    from ..decoder_hook import check_shapes, kernel_input_dtype
     from ..kernels import selfcheck
+    from ..kernels.experts_check import selfcheck_experts
 
+    base = unwrap(model)
     with torch.enable_grad():
-        selfcheck(report.kernels, check_shapes(unwrap(model)))
+        selfcheck(report.kernels, check_shapes(base))
+        report.experts_check = selfcheck_experts(base, kernel_input_dtype(base, report.kernels.device))
 
 
 @contextlib.contextmanager

@@ -240,6 +240,28 @@ def build_model(config, family: str, device: torch.device, dtype: torch.dtype, s
     return model, time.perf_counter() - start
 
 
+def build_experts(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                  experts: int | None = None, implementation: str = "grouped_mm") -> nn.Module | None:
+    """One routed-experts module of `shape` (its family's transformers class, random weights of the
+    bench's scale, `experts` of them: default the shape's count) set to run `implementation`
+    (default: what `from_pretrained` picks on a GPU); None for a dense shape. The doctor and the
+    GPU tests check the experts implementation on it."""
+    config = build_config(shape, layers=1)
+    if not getattr(config, "num_experts", 0):
+        return None
+    if experts is not None:
+        config.num_experts = experts
+    config._experts_implementation = implementation
+    modeling = registry.family(shape.family).module()
+    (cls,) = [getattr(modeling, name) for name in dir(modeling) if name.endswith("Experts")]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        module = cls(config).to(dtype)
+    for weight in module.parameters():
+        nn.init.normal_(weight, std=0.02)
+    return module
+
+
 def lora_targets(family: str) -> list[str]:
     """The projections the benchmark's LoRA adapts (peft `target_modules`): the family's own list,
     the same as its examples/ configs (families/*.py say why each is in or out)."""

@@ -41,7 +41,7 @@ def bind(op: str, fn: Callable, boundaries: Boundaries, extra: dict) -> Callable
     return SPECS[op].bind(fn, boundaries, extra)
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()
     if not torch.isfinite(a).all():
         return float("inf")
@@ -65,8 +65,8 @@ def compare(fast: Callable, ref: Callable, inputs: list[torch.Tensor], dtype: to
         for out, xs in results:
             (out.float() * grad_out).sum().backward()
             grads.append([x.grad for x in xs if x.requires_grad])
-        errs = [_rel_err(results[0][0], results[1][0])]
-        errs += [_rel_err(g_fast, g_ref) for g_fast, g_ref in zip(*grads)]
+        errs = [rel_err(results[0][0], results[1][0])]
+        errs += [rel_err(g_fast, g_ref) for g_fast, g_ref in zip(*grads)]
     return max(errs)
 
 

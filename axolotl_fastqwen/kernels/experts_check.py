@@ -1,0 +1,170 @@
+"""The routed experts' implementation proven on this GPU, at the model's expert shapes.
+
+The plugin does not replace the experts: transformers dispatches them by
+`config._experts_implementation` (its default on a GPU is `grouped_mm`; Axolotl's kernels plugin
+registers `scattermoe`; `experts.py` says who runs them). Like every kernel the plugin chooses,
+the implementation that will train is run once before the first step, forward and backward, on the
+first `CHECK_EXPERTS` experts of the model's first experts module (its own weights, its hidden and
+intermediate sizes, its top-k) and compared with transformers' eager loop in fp32. One that raises
+or disagrees is replaced, through transformers' `set_experts_implementation`, by the next of
+`FALLBACK_ORDER` that passes, and the report says why; the eager loop is the last resort.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..experts import experts_modules
+from .selfcheck import TOLERANCE, rel_err
+
+LOG = logging.getLogger("axolotl_fastqwen")
+
+CHECK_EXPERTS = 16  # experts of the check module (> top-k): every GEMM at its real (hidden, intermediate) shape
+CHECK_TOKENS = 384  # uneven tokens per expert (random routing), some experts with none on small k
+FALLBACK_ORDER = ("grouped_mm", "batched_mm", "eager")
+
+
+class CheckSetupError(RuntimeError):
+    """The check could not copy the experts module: says nothing about the implementation."""
+
+
+@dataclass
+class ExpertsCheck:
+    """What the self-check decided: the implementation that trains, and why the others do not."""
+
+    implementation: str | None
+    selfcheck: str
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"implementation": self.implementation, "selfcheck": self.selfcheck,
+                "rejected": [f"{name}: {why}" for name, why in self.rejected]}
+
+
+def _dispatched(module: nn.Module) -> bool:
+    """A transformers experts class whose forward goes through its ExpertsInterface."""
+    forward = type(module).forward
+    return getattr(forward, "__wrapped__", None) is not None and hasattr(module, "config")
+
+
+def check_module(module: nn.Module, implementation: str, dtype: torch.dtype, device: torch.device,
+                 experts: int = CHECK_EXPERTS) -> nn.Module:
+    """A module of `module`'s class holding copies of its first `experts` experts, in `dtype`, set
+    to run `implementation` (its own config copy: the model's is not touched)."""
+    config = copy.copy(module.config)
+    config.num_experts = experts
+    config._experts_implementation = implementation
+    with torch.device("meta"):
+        proxy = type(module)(config)
+    proxy.config = config  # `use_experts_implementation` keeps the config it was built with
+    for name, weight in module.named_parameters(recurse=False):
+        if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
+            # FSDP2 shards: a copy would need a collective in the middle of the first forward
+            raise CheckSetupError(f"{name} is sharded (DTensor)")
+        value = weight.detach()[:experts] if weight.dim() == 3 else weight.detach()
+        setattr(proxy, name, nn.Parameter(value.to(device=device, dtype=dtype).clone()))
+    for name, buffer in module.named_buffers(recurse=False):
+        setattr(proxy, name, buffer.to(device))
+    if hasattr(proxy, "num_experts"):
+        proxy.num_experts = experts
+    return proxy
+
+
+def check_inputs(module: nn.Module, top_k: int, device: torch.device, tokens: int = CHECK_TOKENS,
+                 experts: int = CHECK_EXPERTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states, top-k expert indices (distinct per token) and their routing weights."""
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    hidden = torch.randn(tokens, module.gate_up_proj.shape[-1], generator=gen)
+    k = min(top_k, experts)
+    index = torch.rand(tokens, experts, generator=gen).argsort(dim=-1)[:, :k]
+    weights = torch.randn(tokens, k, generator=gen).softmax(dim=-1)
+    return hidden.to(device), index.to(device), weights.to(device)
+
+
+def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dtype) -> float:
+    """Max relative error of the output and of the gradients (hidden states, routing weights and
+    expert weights) of `implementation` at `dtype` against the eager loop in fp32."""
+    device = next(module.parameters()).device
+    experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
+    hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
+    try:
+        proxies = [(check_module(module, impl, cast, device, experts=experts), cast)
+                   for impl, cast in ((implementation, dtype), ("eager", torch.float32))]
+    except Exception as exc:
+        raise CheckSetupError(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+    runs = []
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for proxy, cast in proxies:
+            x = hidden.to(cast).requires_grad_(True)
+            w = weights.to(cast).requires_grad_(True)
+            out = proxy(x, index, w)
+            runs.append((out, [x, w, *proxy.parameters()]))
+        grad = torch.randn(runs[1][0].shape, generator=torch.Generator(device="cpu").manual_seed(5)).to(device)
+        for out, leaves in runs:
+            (out.float() * grad).sum().backward()
+        errors = [rel_err(runs[0][0], runs[1][0])]
+        errors += [rel_err(a.grad, b.grad) for a, b in zip(runs[0][1], runs[1][1]) if b.grad is not None]
+    return max(errors)
+
+
+def _set_implementation(model: nn.Module, implementation: str) -> None:
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(implementation)
+    else:
+        model.config._experts_implementation = implementation
+
+
+def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
+                      devices: tuple[str, ...] = ("cuda",)) -> ExpertsCheck | None:
+    """Check the experts implementation `model` will train with; demote it if it fails. None for a
+    dense model; off the GPU nothing is checked, as for every other kernel (`devices`: the CPU
+    tests run it there)."""
+    found = experts_modules(model)
+    if not found:
+        return None
+    module = found[0]
+    device = next(module.parameters()).device
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if device.type not in devices:
+        return ExpertsCheck(implementation, f"not self-checked ({device.type})")
+    if not _dispatched(module):
+        return ExpertsCheck(implementation, f"not self-checked: {type(module).__qualname__} replaces the experts "
+                                            "class (no eager loop to compare with)")
+    if implementation in (None, "eager"):
+        return ExpertsCheck("eager", "the reference itself (transformers' loop over the experts)")
+    top_k = int(getattr(module.config, "num_experts_per_tok", 1))
+    n_experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
+    routed = min(top_k, n_experts)
+    tol = TOLERANCE.get(dtype, 2e-2)
+    rejected: list[tuple[str, str]] = []
+    candidates = [implementation] + [name for name in FALLBACK_ORDER if name != implementation]
+    for name in candidates:
+        if name == "eager":
+            break
+        try:
+            err = compare(module, name, top_k, dtype)
+        except CheckSetupError as exc:  # the harness, not the implementation: keep it, say so
+            return ExpertsCheck(implementation, f"not self-checked: the experts module could not be copied ({exc})",
+                                rejected)
+        except Exception as exc:  # an implementation that crashes is rejected, never trusted
+            rejected.append((name, f"raised {type(exc).__name__}: {str(exc)[:200]}"))
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if err <= tol:
+            if name != implementation:
+                _set_implementation(model, name)
+            return ExpertsCheck(name, f"fwd+bwd rel. error {err:.1e} <= {tol:.0e} vs eager fp32 ({n_experts} "
+                                      f"experts, top-{routed}, {CHECK_TOKENS} tokens)", rejected)
+        rejected.append((name, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))
+    for name, why in rejected:
+        LOG.warning("axolotl_fastqwen: self-check rejected experts implementation %s: %s", name, why)
+    _set_implementation(model, "eager")
+    return ExpertsCheck("eager", "every faster implementation failed the self-check: transformers' eager loop",
+                        rejected)

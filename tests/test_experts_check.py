@@ -1,0 +1,141 @@
+"""The experts self-check (`kernels/experts_check.py`) against transformers' own eager experts.
+
+Run on a CPU here (`devices=("cpu",)`; in training it runs on the GPU only, like every kernel
+check): a correct implementation passes at the fp32 tolerance, one that is wrong in its forward,
+wrong only in its backward, or that raises is rejected and the model is moved to the next that
+passes, through transformers' `set_experts_implementation`. GPU: tests/test_gpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from axolotl_fastqwen.experts import experts_modules
+from axolotl_fastqwen.kernels.experts_check import CHECK_TOKENS, check_inputs, compare, selfcheck_experts
+from axolotl_fastqwen.kernels.selfcheck import TOLERANCE
+from tiny_assets import build_tiny_model
+
+moe = pytest.importorskip("transformers.integrations.moe")
+
+
+def grouped(module, hidden, index, weights):
+    return moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, hidden, index, weights)
+
+
+def scaled_output(module, hidden, index, weights):
+    """5% too large: a wrong forward."""
+    return grouped(module, hidden, index, weights) * 1.05
+
+
+class _WrongGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.1
+
+
+def wrong_backward(module, hidden, index, weights):
+    """Right values, gradients 10% off: only the backward is wrong."""
+    return _WrongGrad.apply(grouped(module, hidden, index, weights))
+
+
+def raises(module, hidden, index, weights):
+    raise RuntimeError("no kernel image is available for execution on the device")
+
+
+@contextlib.contextmanager
+def registered(**fns):
+    for name, fn in fns.items():
+        moe.ALL_EXPERTS_FUNCTIONS[name] = fn
+    try:
+        yield
+    finally:
+        for name in fns:
+            del moe.ALL_EXPERTS_FUNCTIONS[name]
+
+
+def implementations(model) -> set:
+    return {m.config._experts_implementation for m in experts_modules(model)}
+
+
+@pytest.fixture
+def model():
+    model = build_tiny_model("qwen3_5_moe")
+    yield model
+
+
+def test_transformers_grouped_and_batched_experts_pass_against_eager(model):
+    module = experts_modules(model)[0]
+    top_k = module.config.num_experts_per_tok
+    for impl in ("grouped_mm", "batched_mm"):
+        err = compare(module, impl, top_k, torch.float32)
+        assert err <= TOLERANCE[torch.float32], (impl, err)  # measured ~3e-7: same math, other order
+    _, index, _ = check_inputs(module, top_k, torch.device("cpu"), experts=4)
+    assert index.shape == (CHECK_TOKENS, top_k) and len(index.unique()) == 4  # every check expert gets tokens
+
+
+@pytest.mark.parametrize("bad", [scaled_output, wrong_backward, raises], ids=lambda f: f.__name__)
+def test_a_failing_implementation_is_replaced_by_the_next_that_passes(model, bad):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with registered(fastqwen_test_bad=bad):
+        model.set_experts_implementation("fastqwen_test_bad")
+        check = selfcheck_experts(model, torch.float32, devices=("cpu",))
+        assert check.implementation == "grouped_mm" and implementations(model) == {"grouped_mm"}
+        assert [name for name, _ in check.rejected] == ["fastqwen_test_bad"]
+        why = check.rejected[0][1]
+        assert ("raised RuntimeError" in why) if bad is raises else ("rel. error" in why and "> 2e-03" in why)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the check ran on copies
+
+
+def test_a_passing_implementation_is_kept_and_named(model):
+    model.set_experts_implementation("batched_mm")
+    check = selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == "batched_mm" and implementations(model) == {"batched_mm"}
+    assert check.rejected == [] and check.selfcheck.startswith("fwd+bwd rel. error")
+    assert "4 experts, top-2" in check.selfcheck
+
+
+def test_off_the_gpu_nothing_is_checked_and_dense_models_have_no_experts(model):
+    check = selfcheck_experts(model, torch.float32)
+    assert check.selfcheck == "not self-checked (cpu)" and check.implementation == "grouped_mm"
+    assert selfcheck_experts(build_tiny_model("qwen3_5"), torch.float32, devices=("cpu",)) is None
+
+
+def test_eager_is_the_reference_itself(model):
+    model.set_experts_implementation("eager")
+    check = selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == "eager" and "reference itself" in check.selfcheck
+
+
+def test_a_check_that_cannot_copy_the_module_keeps_the_implementation_and_says_so(model, monkeypatch):
+    """A failure of the check's own set-up says nothing about the implementation: it is kept."""
+    from axolotl_fastqwen.kernels import experts_check
+
+    def cannot_copy(*args, **kwargs):
+        raise TypeError("parametrized experts")
+
+    monkeypatch.setattr(experts_check, "check_module", cannot_copy)
+    check = selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == "grouped_mm" and implementations(model) == {"grouped_mm"}
+    assert check.selfcheck.startswith("not self-checked: the experts module could not be copied (TypeError")
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+def test_the_check_runs_at_the_real_expert_sizes(shape):
+    """What the doctor and the GPU test build: the family's experts class at the shape's hidden and
+    intermediate sizes and top-k (16 experts here, to keep a CPU run small)."""
+    from axolotl_fastqwen.bench.shapes import build_experts, get_shape
+
+    experts = build_experts(get_shape(shape), torch.device("cpu"), torch.float32, experts=16)
+    assert experts.gate_up_proj.shape == (16, 1024, 2048) and experts.down_proj.shape == (16, 2048, 512)
+    check = selfcheck_experts(experts, torch.float32, devices=("cpu",))
+    top_k = {"qwen3.5-35b-a3b": 8, "qwen3-next-80b-a3b": 10}[shape]
+    assert check.implementation == "grouped_mm" and f"16 experts, top-{top_k}" in check.selfcheck
+    assert build_experts(get_shape("qwen3.5-27b"), torch.device("cpu"), torch.float32) is None
