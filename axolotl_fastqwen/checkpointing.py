@@ -20,8 +20,8 @@ is the same every step, and it can be measured instead of guessed:
    6.4 GiB under a 125.8 GiB limit, and 48 then peaked at 125.1);
 5. every later step is watched: a step whose peak goes over the limit gives one period back, and
    so does a settled step in which the allocator had to flush its cache and retry an allocation
-   (a device-wide stall; none was seen on the H200 at these limits, with or without expandable
-   segments, but fragmentation near a higher limit would cost more than recomputing 4 layers saves).
+   (a device-wide stall; none was seen on the H200: 0.85 with either allocator, 0.90 with
+   expandable segments; fragmentation near a higher limit would cost more than 4 recomputed layers).
 
 The last layers are the ones kept, so their activations are freed before the recomputed layers
 start their own. The switch is transformers' own per-layer `gradient_checkpointing` flag
@@ -45,7 +45,8 @@ LOG = logging.getLogger("axolotl_fastqwen")
 GIB = 1024**3
 # the peak *allocated* may reach this fraction of the GPU's memory; the rest is left to the
 # allocator's cache, fragmentation and other processes (`fastqwen_checkpointing_memory`). Measured
-# on the H200 (benchmarks/h200/2026-12-04b): 0 allocator retries at 0.85 and 0.90.
+# on the H200 (benchmarks/h200/2026-12-04b): 0 allocator retries at 0.85 (either allocator) and at
+# 0.90 (expandable segments); 27B, 64 layers: peak 125.1 GiB (89.5% of the card) at 0.90.
 DEFAULT_CHECKPOINTING_MEMORY = 0.90
 SETTLE_STEPS = 2  # steps at full recompute before the baseline: the first step creates the optimizer's state
 FIT_STEPS = SETTLE_STEPS + 3  # + the probe step, the step that checks the fit, one that checks a grown fit
