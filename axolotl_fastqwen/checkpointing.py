@@ -184,24 +184,20 @@ class CheckpointFitter:
                        f"{self.base_peak / GIB:.1f} GiB, limit {self.limit / GIB:.1f} GiB")
             return
         if peak > self.limit:
-            self.phase, self.ceiling = "fitted", self.kept
-            self._keep(max(0, self.kept - self.period), peak,
-                       f"peak {peak / GIB:.1f} GiB over the limit {self.limit / GIB:.1f} GiB: one period back")
+            self._give_back(peak, f"peak {peak / GIB:.1f} GiB over the limit {self.limit / GIB:.1f} GiB")
             return
         retried = self.memory.retries() - self._retries_at_begin
         if retried and self.phase == "settled" and self.kept:
             # the step after a change may re-lay the cache once; a settled step must not stall
             self.retries_seen += retried
-            self.phase, self.ceiling = "fitted", self.kept
-            self._keep(max(0, self.kept - self.period), peak,
-                       f"the allocator flushed its cache and retried {retried} allocation(s) in a settled step "
-                       "(fragmentation near the limit; each is a device-wide stall): one period back")
+            self._give_back(peak, f"the allocator flushed its cache and retried {retried} allocation(s) in a "
+                                  "settled step (fragmentation near the limit; each is a device-wide stall)")
             return
         if self.phase == "fitted":
             room = self.limit - peak
-            more = int(room // self.period_bytes) * self.period if self.period_bytes else 0
-            cap = min(len(self.layers), self.ceiling - 1 if self.ceiling is not None else len(self.layers))
-            more = max(0, min(more, (cap - self.kept) // self.period * self.period))
+            most = len(self.layers) if self.ceiling is None else min(len(self.layers), self.ceiling - 1)
+            periods = min(int(room // self.period_bytes), max(0, most - self.kept) // self.period)
+            more = periods * self.period
             if more:
                 self._keep(self.kept + more, peak,
                            f"the step peaked at {peak / GIB:.1f} GiB: {room / GIB:.1f} GiB under the limit leaves "
@@ -258,6 +254,11 @@ class CheckpointFitter:
         self.decisions.append(Decision(self.step, n, round(peak / GIB, 2) if peak is not None else None, why))
         LOG.info("axolotl_fastqwen: checkpointing after step %d: activations kept for the last %d of %d layers (%s)",
                  self.step, n, len(self.layers), why)
+
+    def _give_back(self, peak: int, why: str) -> None:
+        """One period fewer kept, and the count that failed is never tried again."""
+        self.phase, self.ceiling = "fitted", self.kept
+        self._keep(max(0, self.kept - self.period), peak, f"{why}: one period back")
 
     def _stop(self, why: str, peak: int | None = None) -> None:
         self.phase, self.off_reason = "off", why

@@ -70,8 +70,6 @@ def check_module(module: nn.Module, implementation: str, dtype: torch.dtype, dev
         setattr(proxy, name, nn.Parameter(value.to(device=device, dtype=dtype).clone()))
     for name, buffer in module.named_buffers(recurse=False):
         setattr(proxy, name, buffer.to(device))
-    if hasattr(proxy, "num_experts"):
-        proxy.num_experts = experts
     return proxy
 
 
