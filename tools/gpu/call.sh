@@ -38,11 +38,13 @@ for stage in ${STAGES:-tests}; do
     moe80)   # issue 13: Qwen3-Next-80B-A3B cut to the depth that fits one H200 (MOE80_LAYERS, default 24 of 48)
       timeout "${MOE80_S:-300}" python3 -m axolotl_fastqwen bench --model qwen3-next-80b-a3b --layers "${MOE80_LAYERS:-24}" --gc \
         --paths "${MOE80_PATHS:-m,f}" --steps 3 --warmup 1 --max-path-seconds "${PATH_S:-120}" \
-        --max-total-seconds "$(( ${MOE80_S:-300} - 40 ))" --out "$RES/moe80" > "$RES/moe80.log" 2>&1
+        --max-total-seconds "$(( ${MOE80_S:-300} - 40 ))" ${MOE80_ARGS:-} --out "$RES/moe80" > "$RES/moe80.log" 2>&1
       tail -30 "$RES/moe80.log" ;;
-    profile64) # issue 12 §2: kernel time by category at full depth, one path (PROFILE_PATH, default the plugin's)
-      timeout "${PROFILE_S:-150}" python3 -m axolotl_fastqwen profile --model qwen3.5-27b --gc --path "${PROFILE_PATH:-fastqwen}" \
-        --steps 2 --warmup 1 --top 30 --no-trace --out "$RES/prof64" > "$RES/prof64.log" 2>&1
+    profile64) # issue 12 §2 / issue 13 §1: kernel time by category at full depth, one path (PROFILE_PATH, default
+               # the plugin's) of one shape (PROFILE_MODEL, default the 27B; MoE shapes add router / experts),
+               # PROFILE_ARGS extra arguments (e.g. --lora-experts)
+      timeout "${PROFILE_S:-150}" python3 -m axolotl_fastqwen profile --model "${PROFILE_MODEL:-qwen3.5-27b}" --gc --path "${PROFILE_PATH:-fastqwen}" \
+        --steps 2 --warmup 1 --top 30 --no-trace ${PROFILE_ARGS:-} --out "$RES/prof64" > "$RES/prof64.log" 2>&1
       tail -30 "$RES/prof64.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
