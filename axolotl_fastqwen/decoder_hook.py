@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .adapters import LoraInputCast
+from .expert_adapters import ExpertAdapters
 from .boundaries import (
     BOUNDARIES_KWARG, CACHE_KWARGS, HOST_CU_SEQLENS_KWARG, PADDING_SEGMENTS_KWARG, BoundaryError, cache_of, resolve,
 )
@@ -28,10 +29,12 @@ LOG = logging.getLogger("axolotl_fastqwen")
 class DecoderPreHook:
     """One per patched decoder (see the module docstring); `report` is the model's `PatchReport`."""
 
-    def __init__(self, report, base: nn.Module, lora_cast: LoraInputCast, context: ForwardContext):
+    def __init__(self, report, base: nn.Module, lora_cast: LoraInputCast, context: ForwardContext,
+                 expert_adapters: ExpertAdapters | None = None):
         self.report = report
         self.base = base
         self.lora_cast = lora_cast
+        self.expert_adapters = expert_adapters
         self.context = context
         self.validated = False
 
@@ -81,9 +84,11 @@ class DecoderPreHook:
 
     def _lora_input_cast(self) -> None:
         self.lora_cast.update(self.report.kernels.device.type)
-        note = self.lora_cast.describe()
-        if note and note not in self.report.kernels.notes:
-            self.report.kernels.notes.append(note)
+        if self.expert_adapters is not None:
+            self.expert_adapters.update()
+        for note in (self.lora_cast.describe(), self.expert_adapters and self.expert_adapters.describe()):
+            if note and note not in self.report.kernels.notes:
+                self.report.kernels.notes.append(note)
 
     def _record_shape(self, training: bool, args, kwargs) -> None:
         shape = _input_shape(args, kwargs)

@@ -1,8 +1,9 @@
 """Who runs the routed experts of an MoE model: read from the live model for the load report.
 
-The plugin does not replace the experts. transformers dispatches each experts module's forward
-through its `ExpertsInterface` by `config._experts_implementation` at every call (eager, grouped_mm,
-batched_mm, ... or what an integration registered: Axolotl's KernelsPlugin registers `scattermoe`),
+transformers dispatches each experts module's forward through its `ExpertsInterface` by
+`config._experts_implementation` at every call (eager, grouped_mm, batched_mm, ... or what an
+integration registered: Axolotl's KernelsPlugin registers `scattermoe`; the plugin registers
+`fastqwen_grouped`, `layers/experts.py`, and sets it where a model would run `grouped_mm`),
 and a kernel library may replace the class outright (Liger's `LigerExperts` on qwen3_next). Which
 one runs is therefore only known from the model as it trains, and it can change after load
 (`set_experts_implementation`), so the report reads it whenever it is written.
@@ -27,6 +28,19 @@ def _is_experts(module: nn.Module) -> bool:
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The model's routed-experts modules, in model order."""
     return [module for module in model.modules() if _is_experts(module)]
+
+
+def experts_implementation(module: nn.Module) -> str | None:
+    """The `experts_implementation` an experts module dispatches by now (read at every call)."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def set_experts_implementation(model: nn.Module, implementation: str) -> None:
+    """Through transformers' own setter where the model has it (sub-configs follow)."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(implementation)
+    else:
+        model.config._experts_implementation = implementation
 
 
 def registered_implementations() -> list[str] | None:
@@ -66,7 +80,7 @@ def describe_experts(model: nn.Module) -> dict | None:
         return None
     kinds = Counter()
     for module in found:
-        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        impl = experts_implementation(module)
         kinds[(type(module).__qualname__, impl, _runner(module, impl))] += 1
     (cls, impl, runner), _ = kinds.most_common(1)[0]
     out = {"modules": len(found), "class": cls, "implementation": impl, "runner": runner}

@@ -24,11 +24,13 @@ from . import registry
 from .adapters import LoraInputCast
 from .decoder_hook import DecoderPreHook
 from .devices import model_device
-from .experts import describe_experts
+from .expert_adapters import ExpertAdapters
+from .experts import describe_experts, experts_implementation, experts_modules, set_experts_implementation
 from .families.base import FamilyPlan, detect_family, unwrap
 from .forward_context import ForwardContext
 from .kernels import KernelSet, hopper_guard, select_kernels
 from .layers.attention import attention_forward
+from .layers import experts as grouped_experts
 from .layers.causal_lm import causal_lm_forward
 from .layers.gated_deltanet import gated_deltanet_forward
 from .ops import availability
@@ -178,8 +180,10 @@ def patch_model(
         context=context,
         model=weakref.ref(base),
     )
+    experts_before = _use_grouped_experts(base, kernels)
     lora_cast = LoraInputCast(base)
-    hook = DecoderPreHook(report, base, lora_cast, context)
+    expert_adapters = ExpertAdapters(base)
+    hook = DecoderPreHook(report, base, lora_cast, context, expert_adapters)
     hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base.modules() if type(m) in plan.decoder]
     if not hooks:
         raise RuntimeError(f"{type(base).__name__}: no decoder model of {plan.family.decoder} found to hook")
@@ -187,7 +191,8 @@ def patch_model(
     if fused_cross_entropy:
         report.fused_cross_entropy = _patch_causal_lm(base, plan, kernels, patched, context)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
-                                 "context": context}
+                                 "context": context, "expert_adapters": expert_adapters,
+                                 "experts_before": experts_before}
     if log:
         LOG.info("%s", report.format())
     return report
@@ -202,9 +207,27 @@ def unpatch_model(model: nn.Module) -> None:
     for handle in state["hooks"]:
         handle.remove()
     state["lora_cast"].restore()
+    state["expert_adapters"].restore()
+    if state["experts_before"] is not None and experts_implementation(experts_modules(base)[0]) == grouped_experts.GROUPED:
+        set_experts_implementation(base, state["experts_before"])
     for module in state["modules"]:
         _uninstall(module)
     hopper_guard.release(state["report"].kernels)  # fla's own guard value, if this model's self-check lifted it
+
+
+def _use_grouped_experts(base: nn.Module, kernels: KernelSet) -> str | None:
+    """MoE models that would run transformers' `grouped_mm` run `fastqwen_grouped` instead (the same
+    math, see `layers/experts.py`); any other implementation the user chose (eager, ScatterMoE, ...)
+    is left alone, and `backend="reference"` keeps stock experts. Returns what was replaced."""
+    found = experts_modules(base)
+    if kernels.mode == "reference" or not found or not all(grouped_experts.supports(m) for m in found):
+        return None
+    before = experts_implementation(found[0])
+    if before != grouped_experts.REPLACES:
+        return None
+    grouped_experts.register()
+    set_experts_implementation(base, grouped_experts.GROUPED)
+    return before
 
 
 def is_patched(model: nn.Module) -> bool:

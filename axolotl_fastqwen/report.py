@@ -25,7 +25,7 @@ def format_report(d: dict) -> str:
     experts = d.get("experts")
     if experts:
         lines.append(f"  {'routed experts':<22} {str(experts['implementation']):<16} {experts['modules']} x "
-                     f"{experts['class']}, run by {experts['runner']} (not replaced by the plugin)")
+                     f"{experts['class']}, run by {experts['runner']}")
         if experts.get("selfcheck"):
             rejected = experts.get("rejected") or []
             lines.append(f"  {'':<22} {'':<16} self-check: {experts['selfcheck']}"

@@ -158,6 +158,27 @@ def test_liger_plugin_beside_ours_runs_and_the_report_names_the_loss(tmp_path):
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference)), (losses, reference)
 
 
+def test_lora_on_the_routed_experts_runs_factored_with_the_losses_of_peft_merged(tmp_path):
+    """`lora_target_parameters` on the tiny MoE's experts: with transformers' default experts the
+    plugin runs `fastqwen_grouped` and peft's expert LoRA factored (the report says both); the
+    reference run sets `experts_implementation: eager`, which the plugin leaves alone, so peft
+    merges its expert stack and transformers loops over the experts. Same losses step by step (fp32:
+    round-off only)."""
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    eager = tmp_path / "eager"
+    eager.mkdir()
+    reference = train_losses(train(config(eager, "tiny-qwen3_5_moe-cpu.yml", lora_target_parameters=experts,
+                                          experts_implementation="eager")))
+    assert report(eager)["kernels"]["experts"]["implementation"] == "eager"
+    assert not any("runs factored" in n for n in report(eager)["kernels"]["notes"])
+    losses = train_losses(train(config(tmp_path, "tiny-qwen3_5_moe-cpu.yml", lora_target_parameters=experts)))
+    r = report(tmp_path)["kernels"]
+    assert r["experts"]["implementation"] == "fastqwen_grouped", r["experts"]
+    assert any("runs factored" in n and "(down_proj, gate_up_proj)" in n for n in r["notes"]), r["notes"]
+    assert len(losses) == len(reference) == 3
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference)), (losses, reference)
+
+
 def test_liger_kernels_that_cannot_run_on_cpu_fail_before_the_model_loads(tmp_path):
     path = config(tmp_path, plugins=["axolotl_fastqwen.FastQwenPlugin", "axolotl.integrations.liger.LigerPlugin"],
                   liger_rms_norm=True, liger_glu_activation=True)

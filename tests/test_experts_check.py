@@ -16,6 +16,7 @@ import torch
 from axolotl_fastqwen.experts import experts_modules
 from axolotl_fastqwen.kernels.experts_check import CHECK_TOKENS, check_inputs, compare, selfcheck_experts
 from axolotl_fastqwen.kernels.selfcheck import TOLERANCE
+from axolotl_fastqwen.layers.experts import GROUPED
 from tiny_assets import build_tiny_model
 
 moe = pytest.importorskip("transformers.integrations.moe")
@@ -86,7 +87,8 @@ def test_a_failing_implementation_is_replaced_by_the_next_that_passes(model, bad
     with registered(fastqwen_test_bad=bad):
         model.set_experts_implementation("fastqwen_test_bad")
         check = selfcheck_experts(model, torch.float32, devices=("cpu",))
-        assert check.implementation == "grouped_mm" and implementations(model) == {"grouped_mm"}
+        # the first of FALLBACK_ORDER: the plugin's grouped experts (transformers' grouped_mm math)
+        assert check.implementation == GROUPED and implementations(model) == {GROUPED}
         assert [name for name, _ in check.rejected] == ["fastqwen_test_bad"]
         why = check.rejected[0][1]
         assert ("raised RuntimeError" in why) if bad is raises else ("rel. error" in why and "> 2e-03" in why)

@@ -293,23 +293,28 @@ def test_checkpoint_fitter_on_the_gpu(gpu_record):
     assert err <= MODEL_TOL
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "fastqwen_grouped"])
 @pytest.mark.parametrize("shape", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
-def test_experts_selfcheck_passes_grouped_mm_at_the_moe_shapes(shape, gpu_record):
-    """The routed experts as transformers runs them on a GPU (`grouped_mm`, its default) against
-    its eager loop in fp32 at the real expert shapes (hidden 2048, moe_intermediate 512, top-8 /
-    top-10), forward and backward incl. the expert weights' gradients, in bf16 (op tolerance)."""
+def test_experts_selfcheck_passes_at_the_moe_shapes(shape, implementation, gpu_record):
+    """The routed experts as transformers runs them on a GPU (`grouped_mm`, its default) and as the
+    plugin runs them (`fastqwen_grouped`, with its factored LoRA at r=16) against the eager loop in
+    fp32 at the real expert shapes (hidden 2048, moe_intermediate 512, top-8 / top-10), forward and
+    backward incl. the expert weights' (or the LoRA factors') gradients, in bf16 (op tolerance)."""
     import transformers
 
     from axolotl_fastqwen.bench.shapes import build_experts, get_shape
     from axolotl_fastqwen.kernels.experts_check import selfcheck_experts
+    from axolotl_fastqwen.layers.experts import register
 
-    experts = build_experts(get_shape(shape), torch.device("cuda"), torch.bfloat16, implementation="grouped_mm")
+    register()
+    experts = build_experts(get_shape(shape), torch.device("cuda"), torch.bfloat16, implementation=implementation)
     experts_cls = type(experts)
     check = selfcheck_experts(experts, torch.bfloat16)
     gpu_record({"test": "experts_selfcheck", "shape": shape, "class": experts_cls.__name__,
                 "implementation": check.implementation, "selfcheck": check.selfcheck,
                 "rejected": check.to_dict()["rejected"], "tolerance": OP_TOL, "transformers": transformers.__version__})
-    assert check.implementation == "grouped_mm" and not check.rejected, check
+    assert check.implementation == implementation and not check.rejected, check
+    assert ("factored LoRA" in check.selfcheck) == (implementation == "fastqwen_grouped"), check.selfcheck
 
 
 def _moe_step(model, batch, mode: str, dtype, experts: str, routing=contextlib.nullcontext()):
@@ -325,7 +330,8 @@ def _moe_step(model, batch, mode: str, dtype, experts: str, routing=contextlib.n
     out.loss.backward()
     grads = {name: p.grad.float() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    result = (float(out.loss.detach()), float(out.aux_loss.detach()), grads, report.backends())
+    backends = {**report.backends(), "experts": report.to_dict()["experts"]["implementation"]}
+    result = (float(out.loss.detach()), float(out.aux_loss.detach()), grads, backends)
     unpatch_model(model)
     return result
 
@@ -387,5 +393,6 @@ def test_35b_a3b_slice_bf16_kernels_and_experts_match_fp32_reference(gpu_record)
                 "loss_fp32": ref_loss, "loss_bf16": loss, "aux_loss_fp32": ref_aux, "aux_loss_bf16": aux,
                 "rel_err_same_routing": errs, "rel_err_own_routing": free, "stock_bf16_eager_rel_err_same_routing": stock,
                 "flipped_topk_share": moe_routing.flipped_fraction(bf16_routing, ref_routing), "tolerance": MODEL_TOL})
+    assert names["experts"] == "fastqwen_grouped", names  # the plugin replaced transformers' grouped_mm
     assert all(err <= MODEL_TOL for err in errs.values()), errs
     assert free["loss"] <= MODEL_TOL and free["aux_loss"] <= MODEL_TOL, free

@@ -60,6 +60,8 @@ def _experts_backends(device: torch.device) -> dict[str, str]:
     grouped = hasattr(torch, "_grouped_mm")
     out["grouped_mm"] = ("torch._grouped_mm present" if grouped else "torch._grouped_mm missing") + (
         " (bf16 grouped GEMM on sm_90+; transformers' default)" if device.type == "cuda" else "")
+    out["fastqwen_grouped"] = ("the plugin's: transformers' grouped_mm math without the expert-parallel masking, "
+                               "peft's expert LoRA factored; replaces grouped_mm when a model would run it")
     scatter = _import_error("axolotl.integrations.kernels.libs.scattermoe_lora.experts")
     out["scattermoe"] = ("Axolotl's ScatterMoE importable (registered when its KernelsPlugin has use_scattermoe: "
                          "true)" if scatter is None else f"not importable ({scatter[:120]})")
@@ -68,13 +70,16 @@ def _experts_backends(device: torch.device) -> dict[str, str]:
 
 def _experts_selfcheck(shape, device: torch.device) -> dict[str, str]:
     """MoE shapes: the experts self-check of the first GPU forward, run now on one experts module at
-    the shape (transformers' default implementation here); a CPU says when it would run."""
+    the shape (what the plugin runs where transformers would run `grouped_mm`); a CPU says when
+    it would run."""
     from ..kernels.experts_check import selfcheck_experts
+    from ..layers.experts import GROUPED, register
     from .shapes import build_experts
 
     if device.type != "cuda":
         return {"selfcheck": "runs on the first GPU forward of an MoE model (the load report gives its result)"}
-    experts = build_experts(shape, device, torch.bfloat16)
+    register()
+    experts = build_experts(shape, device, torch.bfloat16, implementation=GROUPED)
     if experts is None:
         return {}
     print(f"\nexperts self-check at {shape.name} shapes ...", flush=True)
@@ -229,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
 
     findings["experts"] = _experts_backends(device)
     findings["experts"].update(_experts_selfcheck(shape, device))
-    print("\nrouted experts (MoE models; run by transformers or an integration, not replaced by the plugin; the "
-          "load report names the one a model uses): " + "; ".join(f"{k}: {v}" for k, v in findings["experts"].items()),
+    print("\nrouted experts (MoE models; the plugin's fastqwen_grouped where transformers would run grouped_mm, "
+          "else what the user or an integration chose; the load report names the one a model uses): " + "; ".join(f"{k}: {v}" for k, v in findings["experts"].items()),
           flush=True)
 
     findings["problems"] = known_problems(device, versions)

@@ -110,6 +110,9 @@ class FamilyPlan:
     def name(self) -> str:
         return self.family.name
 
+    def __deepcopy__(self, memo):  # immutable facts about the installed transformers: shared, like the classes
+        return self
+
     def rotary(self) -> Callable:
         """The family's own `apply_rotary_pos_emb` (partial rotary, Qwen's layout)."""
         return self.module.apply_rotary_pos_emb

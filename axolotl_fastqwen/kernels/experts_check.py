@@ -1,11 +1,12 @@
 """The routed experts' implementation proven on this GPU, at the model's expert shapes.
 
-The plugin does not replace the experts: transformers dispatches them by
-`config._experts_implementation` (its default on a GPU is `grouped_mm`; Axolotl's kernels plugin
-registers `scattermoe`; `experts.py` says who runs them). Like every kernel the plugin chooses,
+transformers dispatches the experts by `config._experts_implementation` (its default on a GPU is
+`grouped_mm`, which the plugin replaces by its `fastqwen_grouped`, `layers/experts.py`; Axolotl's
+kernels plugin registers `scattermoe`; `experts.py` says who runs them). Like every kernel the plugin chooses,
 the implementation that will train is run once before the first step, forward and backward, on the
 first `CHECK_EXPERTS` experts of the model's first experts module (its own weights, its hidden and
-intermediate sizes, its top-k) and compared with transformers' eager loop in fp32. One that raises
+intermediate sizes, its top-k) and compared with transformers' eager loop in fp32 (for
+`fastqwen_grouped` with its factored LoRA as well, against the merged weights). One that raises
 or disagrees is replaced, through transformers' `set_experts_implementation`, by the next of
 `FALLBACK_ORDER` that passes, and the report says why; the eager loop is the last resort.
 """
@@ -18,15 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
-from ..experts import experts_modules
+from ..experts import experts_implementation, experts_modules, set_experts_implementation
+from ..layers.experts import GROUPED, ExpertLora, grouped_experts_forward, register
 from .selfcheck import TOLERANCE, rel_err
 
 LOG = logging.getLogger("axolotl_fastqwen")
 
 CHECK_EXPERTS = 16  # experts of the check module (> top-k): every GEMM at its real (hidden, intermediate) shape
+CHECK_RANK = 16  # the factored LoRA of fastqwen_grouped is checked at a typical adapter rank
 CHECK_TOKENS = 384  # uneven tokens per expert (random routing), some experts with none on small k
-FALLBACK_ORDER = ("grouped_mm", "batched_mm", "eager")
+FALLBACK_ORDER = (GROUPED, "grouped_mm", "batched_mm", "eager")
 
 
 class CheckSetupError(RuntimeError):
@@ -110,11 +114,63 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
     return max(errors)
 
 
-def _set_implementation(model: nn.Module, implementation: str) -> None:
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(implementation)
-    else:
-        model.config._experts_implementation = implementation
+class _AddLowRank(nn.Module):
+    """The reference's LoRA: the stacked weight plus scaling * the product of the factors, in fp32."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool):
+        super().__init__()
+        self.a, self.b, self.scaling, self.transposed = a, b, scaling, transposed
+
+    def forward(self, weight):
+        delta = self.scaling * (self.a @ self.b)  # (E, in, out)
+        return weight + (delta if self.transposed else delta.transpose(-2, -1))
+
+
+def compare_factored_lora(module: nn.Module, top_k: int, dtype: torch.dtype, rank: int = CHECK_RANK) -> float:
+    """`fastqwen_grouped`'s factored LoRA (both stacked weights adapted, rank `rank`) at `dtype`
+    against the eager loop on the merged weights in fp32: output and the gradients of the hidden
+    states, the routing weights and the four factors."""
+    device = next(module.parameters()).device
+    experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
+    hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
+    try:
+        proxies = [check_module(module, impl, cast, device, experts=experts)
+                   for impl, cast in ((GROUPED, dtype), ("eager", torch.float32))]
+    except Exception as exc:
+        raise CheckSetupError(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+    gen = torch.Generator(device="cpu").manual_seed(13)
+    factors = {}
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(module, name)
+        d_in, d_out = (weight.shape[1], weight.shape[2]) if module.is_transposed else (weight.shape[2], weight.shape[1])
+        # scaling * (x·A)·B ~ 0.3 x·W (scaling 2): an adapter well into training, not a zero-initialised one
+        b_std = 0.15 * float(weight.detach().float().std()) * (d_in / rank) ** 0.5
+        factors[name] = (torch.randn(experts, d_in, rank, generator=gen) / d_in ** 0.5,
+                         torch.randn(experts, rank, d_out, generator=gen) * b_std)
+    runs = []
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for proxy, cast in zip(proxies, (dtype, torch.float32)):
+            for p in proxy.parameters():
+                p.requires_grad_(False)
+            x = hidden.to(cast).requires_grad_(True)
+            w = weights.to(cast).requires_grad_(True)
+            leaves = {name: (a.to(device, cast).requires_grad_(True), b.to(device, cast).requires_grad_(True))
+                      for name, (a, b) in factors.items()}
+            if cast is torch.float32:
+                for name, (a, b) in leaves.items():
+                    parametrize.register_parametrization(proxy, name, _AddLowRank(a, b, 2.0, proxy.is_transposed),
+                                                         unsafe=True)
+                out = proxy(x, index, w)
+            else:
+                lora = {name: ExpertLora(a, b, 2.0) for name, (a, b) in leaves.items()}
+                out = grouped_experts_forward(proxy, x, index, w, lora=lora)
+            runs.append((out, [x, w, *(t for pair in leaves.values() for t in pair)]))
+        grad = torch.randn(runs[1][0].shape, generator=torch.Generator(device="cpu").manual_seed(5)).to(device)
+        for out, _ in runs:
+            (out.float() * grad).sum().backward()
+        errors = [rel_err(runs[0][0], runs[1][0])]
+        errors += [rel_err(a.grad, b.grad) for a, b in zip(runs[0][1], runs[1][1])]
+    return max(errors)
 
 
 def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
@@ -125,9 +181,10 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
     found = experts_modules(model)
     if not found:
         return None
+    register()  # a fallback candidate even where the plugin did not choose it
     module = found[0]
     device = next(module.parameters()).device
-    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    implementation = experts_implementation(module)
     if device.type not in devices:
         return ExpertsCheck(implementation, f"not self-checked ({device.type})")
     if not _dispatched(module):
@@ -146,6 +203,8 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
             break
         try:
             err = compare(module, name, top_k, dtype)
+            if name == GROUPED:  # its factored LoRA path too (it runs whenever peft adapts the experts)
+                err = max(err, compare_factored_lora(module, top_k, dtype))
         except CheckSetupError as exc:  # the harness, not the implementation: keep it, say so
             return ExpertsCheck(implementation, f"not self-checked: the experts module could not be copied ({exc})",
                                 rejected)
@@ -157,12 +216,13 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
                 torch.cuda.empty_cache()
         if err <= tol:
             if name != implementation:
-                _set_implementation(model, name)
+                set_experts_implementation(model, name)
             return ExpertsCheck(name, f"fwd+bwd rel. error {err:.1e} <= {tol:.0e} vs eager fp32 ({n_experts} "
-                                      f"experts, top-{routed}, {CHECK_TOKENS} tokens)", rejected)
+                                      f"experts, top-{routed}, {CHECK_TOKENS} tokens"
+                                      f"{f', factored LoRA r={CHECK_RANK}' if name == GROUPED else ''})", rejected)
         rejected.append((name, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))
     for name, why in rejected:
         LOG.warning("axolotl_fastqwen: self-check rejected experts implementation %s: %s", name, why)
-    _set_implementation(model, "eager")
+    set_experts_implementation(model, "eager")
     return ExpertsCheck("eager", "every faster implementation failed the self-check: transformers' eager loop",
                         rejected)

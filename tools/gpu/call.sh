@@ -35,6 +35,12 @@ for stage in ${STAGES:-tests}; do
       timeout "${MOE_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-35b-a3b --gc --paths "${MOE_PATHS:-i,e,f}" --steps 3 --warmup 1 \
         --max-path-seconds "${PATH_S:-120}" --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" ${MOE_ARGS:-} --out "$RES/moe40" > "$RES/moe40.log" 2>&1
       tail -30 "$RES/moe40.log" ;;
+    moe40:*) # a variant of moe40: `moe40:<tag>` runs ARGS_<tag> (bench arguments incl. --paths) into $RES/moe40_<tag>
+      tag="${stage#moe40:}"; eval "extra=\${ARGS_${tag}:-}"
+      timeout "${MOE_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-35b-a3b --gc --steps 3 --warmup 1 \
+        --max-path-seconds "${PATH_S:-120}" --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" $extra \
+        --out "$RES/moe40_$tag" > "$RES/moe40_$tag.log" 2>&1
+      tail -14 "$RES/moe40_$tag.log" ;;
     moe80)   # issue 13: Qwen3-Next-80B-A3B cut to the depth that fits one H200 (MOE80_LAYERS, default 24 of 48)
       timeout "${MOE80_S:-300}" python3 -m axolotl_fastqwen bench --model qwen3-next-80b-a3b --layers "${MOE80_LAYERS:-24}" --gc \
         --paths "${MOE80_PATHS:-m,f}" --steps 3 --warmup 1 --max-path-seconds "${PATH_S:-120}" \

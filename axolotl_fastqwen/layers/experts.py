@@ -1,0 +1,116 @@
+"""The routed experts' forward the plugin registers in transformers' `ExpertsInterface` as
+`fastqwen_grouped`: transformers' `grouped_mm` computation without what one GPU never needs, and
+LoRA on the stacked expert weights kept factored.
+
+Why not transformers' own `grouped_mm`: transformers 5.17 masks expert-parallel sentinel rows on
+every call (three full-size `masked_fill` passes per layer each way: the largest kernel of the
+35B-A3B profile, 22% of GPU kernel time, benchmarks/h200/2026-12-04c), and weights the top-k rows
+on the hidden width after the down projection. And with peft's `target_parameters` LoRA on the
+experts, peft merges `W + s·B·A` for the whole expert stack on every forward and backpropagates a
+gradient the size of that stack. Here each routed row runs `x·Wₑᵀ + s·(x·Aₑᵀ)·Bₑᵀ` with grouped
+GEMMs (the low-rank ones through the rank), the routing weight scales the intermediate row (4x
+narrower than the hidden one; the down projection is linear, so the product is the same), and the
+k rows of a token are summed after one gather. Expert parallelism, biases and post-expert norms
+are not handled here: such modules run transformers' `grouped_mm` unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
+REPLACES = "grouped_mm"  # the implementation it stands in for (same math)
+RANK_MULTIPLE = 8  # grouped GEMM operands need 16-byte rows: a bf16 rank is padded (with zeros) to a multiple of 8
+
+
+@dataclass(frozen=True)
+class ExpertLora:
+    """One LoRA adapter on one stacked expert weight, factored: Δₑ = scaling · Bₑ·Aₑ.
+
+    a: (experts, in, rank), b: (experts, rank, out), both in the weight's dtype; `x·a[e]` then
+    `·b[e]` is the adapter's contribution for rows routed to expert e."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+
+def supports(module: nn.Module) -> bool:
+    """A gated, bias-free experts module holding all its experts (no expert parallelism: transformers
+    5.20 says so in `_is_expert_parallel`, 5.17 has no flag, so the weights must hold every expert
+    and not be sharded): the computation below is exactly its own."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return False
+    sharded = any("DTensor" in (type(w).__name__, type(w.data).__name__) for w in (gate_up, down))
+    return (bool(getattr(module, "has_gate", False)) and not getattr(module, "has_bias", True)
+            and not getattr(module, "has_post_expert_norm", False) and not getattr(module, "_is_expert_parallel", False)
+            and not sharded and gate_up.shape[0] == down.shape[0] == getattr(module, "num_experts", -1))
+
+
+def _fused_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cuda":  # the CUTLASS kernel: bf16 on sm80+
+        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu"
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(S, in) rows sorted by expert @ weight (E, in, out), rows offsets[e-1]:offsets[e] with
+    expert e -> (S, out). torch's grouped GEMM where it runs; else one matmul per expert."""
+    if _fused_grouped_mm(x, weight):
+        return F.grouped_mm(x, weight, offs=offsets)
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.cat([x[s:e] @ weight[i] for i, (s, e) in enumerate(zip(starts, ends))])
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offsets: torch.Tensor,
+             lora: ExpertLora | None) -> torch.Tensor:
+    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offsets)
+    if lora is not None:
+        low = grouped_mm(x, lora.a, offsets) * lora.scaling  # (S, rank): scaled where it is narrow
+        out = out + grouped_mm(low, lora.b, offsets)
+    return out
+
+
+def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, lora: dict[str, ExpertLora] | None = None) -> torch.Tensor:
+    """transformers' experts contract: hidden (T, H), top-k indices and weights (T, k) -> (T, H).
+    `lora` maps "gate_up_proj" / "down_proj" to its factored adapter (see `expert_adapters`)."""
+    if not supports(self):
+        if lora:
+            raise ValueError(f"{type(self).__qualname__}: factored expert LoRA needs a gated, bias-free, "
+                             "single-GPU experts module")
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        return ALL_EXPERTS_FUNCTIONS[REPLACES](self, hidden_states, top_k_index, top_k_weights)
+    lora = lora or {}
+    tokens, k = top_k_index.shape
+    weight_dtype = self.gate_up_proj.dtype
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    # histc, not bincount: no host sync (bincount sizes its output by the largest id); CPU histc takes floats only
+    counts = torch.histc(expert_ids.int() if expert_ids.is_cuda else expert_ids.float(), bins=self.num_experts,
+                         min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    # grouped GEMMs are not autocast ops: rows go in the weights' dtype, as in transformers
+    rows = hidden_states[order // k].to(weight_dtype)
+    inner = self._apply_gate(_project(rows, self.gate_up_proj, self.is_transposed, offsets, lora.get("gate_up_proj")))
+    inner = inner * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(inner.dtype)
+    out = _project(inner, self.down_proj, self.is_transposed, offsets, lora.get("down_proj"))
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=order.device)
+    return out[unsort].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Make `fastqwen_grouped` a valid `experts_implementation` (idempotent; a new key, no other
+    entry of the interface changes)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(GROUPED, grouped_experts_forward)
