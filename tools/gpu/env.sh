@@ -9,7 +9,9 @@ if ls .whl/causal_conv1d-*.whl.part* >/dev/null 2>&1; then      # a wheel carrie
 fi
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-if ls .gpu-cache/triton-cache.tgz.part* >/dev/null 2>&1; then          # a cache carried in parts
+if ls .gpu-cache/triton-cache.txz* >/dev/null 2>&1; then                # xz: a third of the gzip size (carry limit)
+  cat .gpu-cache/triton-cache.txz* | tar xJf - -C "$TRITON_CACHE_DIR"
+elif ls .gpu-cache/triton-cache.tgz.part* >/dev/null 2>&1; then        # a cache carried in parts
   cat .gpu-cache/triton-cache.tgz.part* | tar xzf - -C "$TRITON_CACHE_DIR"
 elif [ -f .gpu-cache/triton-cache.tgz ]; then tar xzf .gpu-cache/triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
