@@ -141,3 +141,26 @@ def test_the_check_runs_at_the_real_expert_sizes(shape):
     top_k = {"qwen3.5-35b-a3b": 8, "qwen3-next-80b-a3b": 10}[shape]
     assert check.implementation == "grouped_mm" and f"16 experts, top-{top_k}" in check.selfcheck
     assert build_experts(get_shape("qwen3.5-27b"), torch.device("cpu"), torch.float32) is None
+
+
+def test_fastqwen_grouped_is_checked_with_its_factored_lora_too(model, monkeypatch):
+    """The plugin's experts pass plain and with LoRA factors (fp32 here: round-off); a factored path
+    that ignores the adapter (right without LoRA, wrong with it) is rejected and the next in line,
+    transformers' grouped_mm, trains."""
+    from axolotl_fastqwen.kernels import experts_check
+    from axolotl_fastqwen.layers.experts import register
+
+    register()
+    module = experts_modules(model)[0]
+    top_k = module.config.num_experts_per_tok
+    assert compare(module, GROUPED, top_k, torch.float32, lora_rank=16) <= TOLERANCE[torch.float32]
+    model.set_experts_implementation(GROUPED)
+    check = selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == GROUPED and "factored LoRA r=16" in check.selfcheck
+
+    real = experts_check.grouped_experts_forward
+    monkeypatch.setattr(experts_check, "grouped_experts_forward",
+                        lambda m, x, i, w, lora=None: real(m, x, i, w))  # drops the adapter
+    check = selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == "grouped_mm" and implementations(model) == {"grouped_mm"}
+    assert [name for name, _ in check.rejected] == [GROUPED] and "rel. error" in check.rejected[0][1]

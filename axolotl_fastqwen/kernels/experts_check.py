@@ -29,6 +29,7 @@ LOG = logging.getLogger("axolotl_fastqwen")
 
 CHECK_EXPERTS = 16  # experts of the check module (> top-k): every GEMM at its real (hidden, intermediate) shape
 CHECK_RANK = 16  # the factored LoRA of fastqwen_grouped is checked at a typical adapter rank
+LORA_SCALING = 2.0  # lora_alpha / r of the checked adapter
 CHECK_TOKENS = 384  # uneven tokens per expert (random routing), some experts with none on small k
 FALLBACK_ORDER = (GROUPED, "grouped_mm", "batched_mm", "eager")
 
@@ -88,32 +89,6 @@ def check_inputs(module: nn.Module, top_k: int, device: torch.device, tokens: in
     return hidden.to(device), index.to(device), weights.to(device)
 
 
-def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dtype) -> float:
-    """Max relative error of the output and of the gradients (hidden states, routing weights and
-    expert weights) of `implementation` at `dtype` against the eager loop in fp32."""
-    device = next(module.parameters()).device
-    experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
-    hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
-    try:
-        proxies = [(check_module(module, impl, cast, device, experts=experts), cast)
-                   for impl, cast in ((implementation, dtype), ("eager", torch.float32))]
-    except Exception as exc:
-        raise CheckSetupError(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
-    runs = []
-    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-        for proxy, cast in proxies:
-            x = hidden.to(cast).requires_grad_(True)
-            w = weights.to(cast).requires_grad_(True)
-            out = proxy(x, index, w)
-            runs.append((out, [x, w, *proxy.parameters()]))
-        grad = torch.randn(runs[1][0].shape, generator=torch.Generator(device="cpu").manual_seed(5)).to(device)
-        for out, leaves in runs:
-            (out.float() * grad).sum().backward()
-        errors = [rel_err(runs[0][0], runs[1][0])]
-        errors += [rel_err(a.grad, b.grad) for a, b in zip(runs[0][1], runs[1][1]) if b.grad is not None]
-    return max(errors)
-
-
 class _AddLowRank(nn.Module):
     """The reference's LoRA: the stacked weight plus scaling * the product of the factors, in fp32."""
 
@@ -126,50 +101,60 @@ class _AddLowRank(nn.Module):
         return weight + (delta if self.transposed else delta.transpose(-2, -1))
 
 
-def compare_factored_lora(module: nn.Module, top_k: int, dtype: torch.dtype, rank: int = CHECK_RANK) -> float:
-    """`fastqwen_grouped`'s factored LoRA (both stacked weights adapted, rank `rank`) at `dtype`
-    against the eager loop on the merged weights in fp32: output and the gradients of the hidden
-    states, the routing weights and the four factors."""
-    device = next(module.parameters()).device
-    experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
-    hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
-    try:
-        proxies = [check_module(module, impl, cast, device, experts=experts)
-                   for impl, cast in ((GROUPED, dtype), ("eager", torch.float32))]
-    except Exception as exc:
-        raise CheckSetupError(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+def _lora_factors(module: nn.Module, experts: int, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Random (A: (E, in, r), B: (E, r, out)) per stacked weight, sized so that LORA_SCALING·(x·A)·B
+    is ~0.3 x·W: an adapter well into training, not a zero-initialised one."""
     gen = torch.Generator(device="cpu").manual_seed(13)
     factors = {}
     for name in ("gate_up_proj", "down_proj"):
         weight = getattr(module, name)
         d_in, d_out = (weight.shape[1], weight.shape[2]) if module.is_transposed else (weight.shape[2], weight.shape[1])
-        # scaling * (x·A)·B ~ 0.3 x·W (scaling 2): an adapter well into training, not a zero-initialised one
-        b_std = 0.15 * float(weight.detach().float().std()) * (d_in / rank) ** 0.5
+        b_std = 0.3 / LORA_SCALING * float(weight.detach().float().std()) * (d_in / rank) ** 0.5
         factors[name] = (torch.randn(experts, d_in, rank, generator=gen) / d_in ** 0.5,
                          torch.randn(experts, rank, d_out, generator=gen) * b_std)
+    return factors
+
+
+def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dtype, lora_rank: int = 0) -> float:
+    """Max relative error of the output and of the gradients (hidden states, routing weights and
+    expert weights) of `implementation` at `dtype` against the eager loop in fp32. With
+    `lora_rank` (`fastqwen_grouped` only): both stacked weights frozen and adapted by random
+    factors of that rank, run factored against the eager loop on the merged weights; the
+    gradients compared are then the factors' instead of the weights'."""
+    device = next(module.parameters()).device
+    experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
+    hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
+    try:
+        proxies = [(check_module(module, impl, cast, device, experts=experts), cast)
+                   for impl, cast in ((implementation, dtype), ("eager", torch.float32))]
+    except Exception as exc:
+        raise CheckSetupError(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+    factors = _lora_factors(module, experts, lora_rank) if lora_rank else {}
     runs = []
     with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-        for proxy, cast in zip(proxies, (dtype, torch.float32)):
-            for p in proxy.parameters():
-                p.requires_grad_(False)
+        for candidate, (proxy, cast) in zip((True, False), proxies):
             x = hidden.to(cast).requires_grad_(True)
             w = weights.to(cast).requires_grad_(True)
+            if not factors:
+                runs.append((proxy(x, index, w), [x, w, *proxy.parameters()]))
+                continue
+            proxy.requires_grad_(False)
             leaves = {name: (a.to(device, cast).requires_grad_(True), b.to(device, cast).requires_grad_(True))
                       for name, (a, b) in factors.items()}
-            if cast is torch.float32:
-                for name, (a, b) in leaves.items():
-                    parametrize.register_parametrization(proxy, name, _AddLowRank(a, b, 2.0, proxy.is_transposed),
-                                                         unsafe=True)
-                out = proxy(x, index, w)
-            else:
-                lora = {name: ExpertLora(a, b, 2.0) for name, (a, b) in leaves.items()}
+            if candidate:
+                lora = {name: ExpertLora(a, b, LORA_SCALING) for name, (a, b) in leaves.items()}
                 out = grouped_experts_forward(proxy, x, index, w, lora=lora)
+            else:
+                for name, (a, b) in leaves.items():
+                    parametrize.register_parametrization(
+                        proxy, name, _AddLowRank(a, b, LORA_SCALING, proxy.is_transposed), unsafe=True)
+                out = proxy(x, index, w)
             runs.append((out, [x, w, *(t for pair in leaves.values() for t in pair)]))
         grad = torch.randn(runs[1][0].shape, generator=torch.Generator(device="cpu").manual_seed(5)).to(device)
-        for out, _ in runs:
+        for out, leaves in runs:
             (out.float() * grad).sum().backward()
         errors = [rel_err(runs[0][0], runs[1][0])]
-        errors += [rel_err(a.grad, b.grad) for a, b in zip(runs[0][1], runs[1][1])]
+        errors += [rel_err(a.grad, b.grad) for a, b in zip(runs[0][1], runs[1][1]) if b.grad is not None]
     return max(errors)
 
 
@@ -204,7 +189,7 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
         try:
             err = compare(module, name, top_k, dtype)
             if name == GROUPED:  # its factored LoRA path too (it runs whenever peft adapts the experts)
-                err = max(err, compare_factored_lora(module, top_k, dtype))
+                err = max(err, compare(module, name, top_k, dtype, lora_rank=CHECK_RANK))
         except CheckSetupError as exc:  # the harness, not the implementation: keep it, say so
             return ExpertsCheck(implementation, f"not self-checked: the experts module could not be copied ({exc})",
                                 rejected)
