@@ -245,3 +245,30 @@ def test_modules_the_computation_does_not_cover_run_transformers_grouped_mm():
     assert rel(grouped_experts_forward(m, x, index, weights), grouped_experts_forward(module, x, index, weights)) <= TOL
     with pytest.raises(ValueError, match="factored expert LoRA needs"):
         grouped_experts_forward(m, x, index, weights, lora={"gate_up_proj": None})
+
+
+def test_an_integrations_class_level_wrapper_forward_runs_when_the_experts_are_not_ours(monkeypatch):
+    """Axolotl's ScatterMoE patches `ParamWrapper.forward` on the class; with its experts chosen,
+    the plugin's instance forward must hand over to whatever the class holds at call time."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    model = _lora_model("qwen3_5_moe", 8)
+    patch_model(model, log=False)
+    batch = {"input_ids": _batch(model.config.vocab_size)["input_ids"]}
+    try:
+        with torch.no_grad():
+            model(**batch)  # installs the instance forwards
+            seen = []
+            peft_forward = ParamWrapper.forward
+
+            def integration_forward(self, x, *args, **kwargs):
+                seen.append(self)
+                return peft_forward(self, x, *args, **kwargs)
+
+            monkeypatch.setattr(ParamWrapper, "forward", integration_forward)
+            model.base_model.model.set_experts_implementation("eager")  # not ours: hand over
+            model(**batch)
+            outers = {id(f.outer) for f in _adapters(model).installed}
+            assert outers <= {id(m) for m in seen} and sum(f.calls for f in _adapters(model).installed) == 4
+    finally:
+        unpatch_model(model)
