@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .experts import EXPERT_WEIGHTS, experts_implementation
+from .experts import EXPERT_WEIGHTS, experts_implementation, is_experts
 from .layers.experts import GROUPED, RANK_MULTIPLE, ExpertLora, grouped_experts_forward, supports
 
 
@@ -45,8 +45,7 @@ def wrapper_chains(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Modul
         while isinstance(base, wrapper_cls):
             chain[base.parameter_name] = base
             base = base.base_layer
-        if set(chain) <= set(EXPERT_WEIGHTS) and all(isinstance(getattr(base, n, None), torch.Tensor)
-                                                    and getattr(base, n).dim() == 3 for n in EXPERT_WEIGHTS):
+        if set(chain) <= set(EXPERT_WEIGHTS) and is_experts(base):
             chains.append((outer, chain, base))
     return chains
 

@@ -18,7 +18,7 @@ from torch import nn
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def _is_experts(module: nn.Module) -> bool:
+def is_experts(module: nn.Module) -> bool:
     """A routed-experts module: 3-D stacked expert weights, whatever class holds them (peft's
     `target_parameters` wrappers around one do not show its weights: it is counted once)."""
     weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
@@ -27,7 +27,7 @@ def _is_experts(module: nn.Module) -> bool:
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The model's routed-experts modules, in model order."""
-    return [module for module in model.modules() if _is_experts(module)]
+    return [module for module in model.modules() if is_experts(module)]
 
 
 def experts_implementation(module: nn.Module) -> str | None:
