@@ -41,6 +41,14 @@ class FastQwenArgs(BaseModel):
             "fail instead of falling back; reference: PyTorch reference everywhere (debugging)."
         },
     )
+    fastqwen_kernel_preference: dict[str, str] | None = Field(
+        default=None,
+        json_schema_extra={
+            "description": "op -> kernel to try first, e.g. {gated_delta_rule: flash-qla} (FlashQLA's TileLang "
+            "GDN kernels, when installed). Still self-checked on the GPU; one that fails or cannot run here "
+            "gives way to the default, and the load report says why."
+        },
+    )
     fastqwen_fused_ce: bool = Field(
         default=True,
         json_schema_extra={"description": "Compute the loss without materialising the vocabulary logits."},
@@ -74,6 +82,17 @@ class FastQwenArgs(BaseModel):
                 f"fastqwen_token_budget must be a positive multiple of {TOKEN_MULTIPLE}, got {value}; "
                 f"use e.g. fastqwen_token_budget: {up}"
             )
+        return value
+
+    @field_validator("fastqwen_kernel_preference")
+    @classmethod
+    def _known_ops(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        """An op name that matches nothing would leave the preference silently unused."""
+        from .ops import OPS
+
+        unknown = sorted(set(value or {}) - set(OPS))
+        if unknown:
+            raise ValueError(f"fastqwen_kernel_preference: unknown op(s) {unknown}; the ops are {', '.join(OPS)}")
         return value
 
     @model_validator(mode="before")

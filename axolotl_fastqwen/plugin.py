@@ -85,6 +85,7 @@ class FastQwenPlugin(BasePlugin):
             backend=cfg.get("fastqwen_kernels") or "auto",
             fused_cross_entropy=fused_ce,
             device=training_device(),
+            prefer=cfg.get("fastqwen_kernel_preference") or None,
             log=False,
         )
         owner = coexistence.loss_owner(cfg)

@@ -23,6 +23,8 @@ from axolotl_fastqwen.args import FastQwenArgs, token_budget
         ({"context_parallel_size": 2}, "context_parallel_size > 1"),
         ({"fastqwen_kernels": "fast"}, "fastqwen_kernels"),
         ({"fastqwen_overlong": "drop"}, "fastqwen_overlong"),
+        ({"fastqwen_kernel_preference": {"gdn": "flash-qla"}},
+         "fastqwen_kernel_preference: unknown op(s) ['gdn']; the ops are gated_delta_rule, causal_conv"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(data, message):
@@ -52,3 +54,9 @@ def test_a_misspelt_key_fails_naming_the_closest_valid_one():
     assert "`fastqwen_pakcing` (did you mean `fastqwen_packing`?)" in message
     assert "`fastqwen_token_budgett` (did you mean `fastqwen_token_budget`?)" in message
     FastQwenArgs.model_validate({"fastqwen_packing": False, "unrelated_key": 1})  # others are Axolotl's business
+
+
+def test_kernel_preference_names_known_ops():
+    args = FastQwenArgs.model_validate({"fastqwen_kernel_preference": {"gated_delta_rule": "flash-qla"}})
+    assert args.fastqwen_kernel_preference == {"gated_delta_rule": "flash-qla"}
+    assert FastQwenArgs.model_validate({}).fastqwen_kernel_preference is None

@@ -255,3 +255,20 @@ def test_report_command_is_fast_and_says_where_it_looked(tmp_path):
     assert f"no fastqwen_report.json in {tmp_path / 'out'}" in shown.stdout
     assert "bitsandbytes" not in shown.stdout + shown.stderr
     assert seconds < 5, seconds  # no torch, transformers or Axolotl import (0.1 s here; 10 s before)
+
+
+def test_kernel_preference_reaches_kernel_selection_and_a_refusal_is_reported(tmp_path):
+    """`fastqwen_kernel_preference` goes through Axolotl's schema to the plugin's kernel choice:
+    FlashQLA asked for on a CPU is refused with its reason, training runs on the reference."""
+    train(config(tmp_path, fastqwen_kernel_preference={"gated_delta_rule": "flash-qla"}))
+    gdn = report(tmp_path)["kernels"]["ops"]["gated_delta_rule"]
+    assert gdn["backend"] == "torch", gdn
+    # tried first because it was preferred (without the preference fla comes first)
+    assert gdn["rejected"][0] == "flash-qla: needs a CUDA device (model is on cpu)", gdn
+
+
+def test_a_kernel_preference_for_an_unknown_op_fails_at_config_load(tmp_path):
+    run = axolotl("preprocess", str(config(tmp_path, fastqwen_kernel_preference={"gdn": "flash-qla"})))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "fastqwen_kernel_preference: unknown op(s) ['gdn']" in out and "Loading model" not in out

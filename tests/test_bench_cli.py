@@ -65,8 +65,10 @@ def test_bench_writes_complete_json(bench):
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
         "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen", "fastqwen+ckpt-auto",
-        "axolotl-best+fastqwen+ckpt-auto", "stock-moe-eager", "stock-moe-grouped-mm",
+        "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla", "stock-moe-eager",
+        "stock-moe-grouped-mm",
     ]
+    assert _path(result, "axolotl-best+fastqwen+ckpt-auto+flash-qla")["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
     assert "MFU = model FLOPs" in result["flops"]["formula"]
@@ -257,9 +259,9 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
                                       "axolotl-best-cce"]
-    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-5:] == (
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-6:] == (
         "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen",
-        "axolotl-best+fastqwen+ckpt-auto")  # Axolotl's patches last
+        "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla")  # Axolotl's patches last
     assert parse_paths("l,m,k") == ["fastqwen+ckpt-auto", "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto"]
     with pytest.raises(ValueError, match="f=axolotl-best"):
         parse_paths("z")
@@ -510,3 +512,23 @@ def test_kernel_time_by_category_splits_a_moe_step():
     assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0, abs=1e-3)
     assert cats["gdn"]["launches_per_step"] == 1.0 and cats["experts"]["kernels"] == ["_scatter2scatter"]
     assert "router" in report["category_rules"]
+
+
+def test_a_kernel_preference_path_that_does_not_take_is_skipped_not_run_as_its_base():
+    """Path n (FlashQLA) on a machine where FlashQLA cannot run would time path l again under
+    another name: it is skipped with the selection's reason, and the model is left unpatched."""
+    import torch
+    from tiny_assets import build_tiny_model
+
+    from axolotl_fastqwen.bench.common import PathSkipped
+    from axolotl_fastqwen.bench.paths import _plugin
+    from axolotl_fastqwen.patching import STATE_ATTR
+
+    model = build_tiny_model("qwen3_5")
+    info: dict = {"notes": []}
+    with pytest.raises(PathSkipped, match=r"gated_delta_rule: flash-qla did not take \(needs a CUDA device"):
+        with _plugin(model, torch.device("cpu"), info, {"gated_delta_rule": "flash-qla"}):
+            pass
+    assert getattr(model, STATE_ATTR, None) is None
+    with _plugin(model, torch.device("cpu"), info, {"gated_delta_rule": "torch"}):
+        assert info["patch_report"].kernels.names()["gated_delta_rule"] == "torch"

@@ -132,21 +132,21 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("conv", ["causal-conv1d", "fla-triton"])
-def test_27b_slice_bf16_kernels_match_fp32_reference(conv, gpu_record):
+@pytest.mark.parametrize(("conv", "gdn"), [("causal-conv1d", "fla"), ("fla-triton", "fla"), ("fla-triton", "flash-qla")])
+def test_27b_slice_bf16_kernels_match_fp32_reference(conv, gdn, gpu_record):
     """Same weights: bf16 with the fused kernels vs fp32 on the PyTorch reference path."""
-    from axolotl_fastqwen.ops.causal_conv import BACKENDS
-
-    why = next(b for b in BACKENDS if b.name == "causal-conv1d").available(torch.device("cuda"))
-    if conv == "causal-conv1d" and why is not None:
-        pytest.skip(f"causal-conv1d: {why}")
+    for op, name in (("causal_conv", conv), ("gated_delta_rule", gdn)):
+        why = next(b for b in kernel_backends() if b.op == op and b.name == name).available(torch.device("cuda"))
+        if why is not None:
+            pytest.skip(f"{name}: {why}")
     model = _model_27b_slice()
     _, batch = _packed_batch()
     grads = {}
     losses = {}
     for mode, dtype in (("reference", torch.float32), ("auto", torch.bfloat16)):
         model.to(dtype)
-        report = patch_model(model, backend=mode, prefer={"causal_conv": conv} if mode == "auto" else None)
+        report = patch_model(model, backend=mode,
+                             prefer={"causal_conv": conv, "gated_delta_rule": gdn} if mode == "auto" else None)
         model.zero_grad(set_to_none=True)
         out = model(**batch)
         out.loss.backward()
@@ -157,10 +157,10 @@ def test_27b_slice_bf16_kernels_match_fp32_reference(conv, gpu_record):
         unpatch_model(model)
     loss_err = float((losses["auto"] - losses["reference"]).abs() / losses["reference"].abs())
     grad_err = _rel(grads["auto"], grads["reference"])
-    gpu_record({"test": "27b_slice_bf16_vs_fp32_reference", "conv": conv, "layers": 4, "backends": names,
+    gpu_record({"test": "27b_slice_bf16_vs_fp32_reference", "conv": conv, "gdn": gdn, "layers": 4, "backends": names,
                 "loss_fp32": float(losses["reference"]), "loss_bf16": float(losses["auto"]),
                 "loss_rel_err": loss_err, "grad_global_rel_err": grad_err, "tolerance": MODEL_TOL})
-    assert names["causal_conv"] == conv
+    assert names["causal_conv"] == conv and names["gated_delta_rule"] == gdn
     assert loss_err <= MODEL_TOL and grad_err <= MODEL_TOL
 
 

@@ -139,6 +139,42 @@ def test_prefer_picks_a_named_backend_and_rejects_unknown_names():
         K.select_kernels("cpu", "auto", prefer={"causal_conv": "nope"})
 
 
+def test_prefer_rejects_an_unknown_op():
+    with pytest.raises(ValueError, match=r"prefer names unknown op\(s\) \['gdn'\]"):
+        K.select_kernels("cpu", "auto", prefer={"gdn": "fla"})
+
+
+def test_flash_qla_is_opt_in_needs_a_gpu_and_says_what_it_cannot_take():
+    from axolotl_fastqwen.ops.gated_delta_rule import BACKENDS, flashqla_limits
+
+    by_name = {b.name: b for b in BACKENDS}
+    assert by_name["flash-qla"].priority < by_name["fla"].priority  # chosen only when preferred
+    ks = K.select_kernels("cpu", "auto", prefer={"gated_delta_rule": "flash-qla"})
+    assert ks.names()["gated_delta_rule"] == "torch"
+    assert ("flash-qla", "needs a CUDA device (model is on cpu)") in ks.choices["gated_delta_rule"].rejected
+    bf = dict(dtype=torch.bfloat16)
+    q, v = torch.zeros(1, 8, 2, 128, **bf), torch.zeros(1, 8, 4, 128, **bf)
+    assert flashqla_limits(q, q, v) is None
+    assert "FlashQLA takes one 16-bit dtype" in flashqla_limits(q.float(), q.float(), v.float())
+    assert "head dims K=64, V=128" in flashqla_limits(q[..., :64], q[..., :64], v)
+
+
+def test_a_preferred_kernel_that_fails_gives_way_to_the_default_not_the_reference(caplog):
+    """A preference may name a backend ranked below the default: when it fails the self-check, the
+    default (the next fastest that passes) takes over, not the slow reference."""
+    default = K.KernelBackend("gated_rmsnorm", "default", reference_gated_rmsnorm, 200, _cpu, "fla")
+    preferred = K.KernelBackend("gated_rmsnorm", "preferred", off_by_ten_percent, 50, _cpu, "fla")
+    backs = backends_with(default, preferred)
+    ks = K.select_kernels("cpu", "auto", backends=backs, prefer={"gated_rmsnorm": "preferred"})
+    assert ks.names()["gated_rmsnorm"] == "preferred"
+    ks.checked = False
+    with caplog.at_level(logging.WARNING, logger="axolotl_fastqwen"):
+        K.selfcheck(ks, SHAPES, backends=backs)
+    choice = ks.choices["gated_rmsnorm"]
+    assert choice.backend.name == "default" and choice.selfcheck.startswith("fwd+bwd rel. error 0.0e+00")
+    assert dict(choice.rejected)["preferred"].startswith("self-check: rel. error")
+
+
 def test_versions_and_cpu_selection_import_no_kernel_package():
     """fla prints Triton warnings when imported without a GPU: reading versions and choosing CPU
     kernels must not import it (nor causal-conv1d, flash-attn, Liger)."""

@@ -225,3 +225,52 @@ def test_fla_chunk_plan_is_built_once_per_batch_not_once_per_layer():
     plans = [index.prepare_chunk_indices(chunk_size=64, **b.fla_varlen()) for _layer in range(3)]
     assert all(p is plans[0] for p in plans)  # one plan for the batch: the later layers reuse it
     assert plans[0].dtype == torch.int64 and b.fla_varlen()["cu_seqlens"].tolist() == [0, 37, 38, 108, 128]
+
+
+@pytest.fixture
+def flash_qla_stand_in(monkeypatch):
+    """FlashQLA's documented contract (`flash_qla.chunk_gated_delta_rule`: g the log decay and beta
+    given ready-made, L2 norm of q/k in-kernel as x * rsqrt(sum(x^2) + 1e-6) (flash_qla/utils/math.py),
+    value head h reading key head h // (Hv / Hk),
+    sequences cut at `cu_seqlens`) as a token loop in float64. Its TileLang kernels need a GPU
+    (tests/test_gpu_kernels.py compares the real one); here what our glue adds is checked: the
+    gate, beta, scale and boundaries it hands over."""
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, cu_seqlens):
+        calls.append((g.dtype, beta.dtype, scale, use_qk_l2norm_in_kernel, None if cu_seqlens is None
+                      else (cu_seqlens.dtype, cu_seqlens.tolist())))
+        groups = v.shape[2] // q.shape[2]
+        q, k = ((t.double() * (t.double() ** 2).sum(-1, keepdim=True).add(1e-6).rsqrt()).repeat_interleave(groups, dim=2)
+                for t in (q, k))
+        v, g, beta = v.double(), g.double(), beta.double()
+        cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
+        out = torch.zeros_like(v)
+        for start, end in zip(cu[:-1], cu[1:]):
+            state = torch.zeros(v.shape[2], q.shape[-1], v.shape[-1], dtype=torch.float64)
+            for t in range(start, end):
+                state = state * g[0, t].exp()[:, None, None]
+                err = v[0, t] - torch.einsum("hkv,hk->hv", state, k[0, t])
+                state = state + torch.einsum("hk,hv->hkv", k[0, t], err * beta[0, t][:, None])
+                out[0, t] = torch.einsum("hkv,hk->hv", state, q[0, t] * scale)
+        return out, None
+
+    module = types.ModuleType("flash_qla")
+    module.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "flash_qla", module)
+    return calls
+
+
+def test_flashqla_glue_hands_over_the_gate_beta_and_boundaries_of_the_rule(flash_qla_stand_in):
+    """Raw a, b in: the result is the rule of `naive_recurrence` (our definition), each sequence alone."""
+    from axolotl_fastqwen.ops.gated_delta_rule import flashqla_gated_delta_rule
+
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(LENGTHS))
+    out = flashqla_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, boundaries=boundaries())
+    cu = boundaries().cu_seqlens_host.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        piece = slice(start, end)
+        alone = naive_recurrence(*(t[:, piece] for t in (q, k, v, a, b)), A_log, dt_bias)
+        assert rel(out[:, piece], alone) < 1e-10
+    # gate at least fp32 (here the inputs' float64), 1/sqrt(K), L2 norm in-kernel, int64 boundaries
+    assert flash_qla_stand_in == [(torch.float64, torch.float64, 16 ** -0.5, True, (torch.int64, cu))]

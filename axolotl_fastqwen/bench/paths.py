@@ -79,6 +79,11 @@ PATHS: dict[str, PathSpec] = {
             "axolotl-best+fastqwen with fastqwen_checkpointing: auto (needs --gc)",
         ),
         PathSpec(
+            "axolotl-best+fastqwen+ckpt-auto+flash-qla", "packed",
+            "axolotl-best+fastqwen+ckpt-auto with FlashQLA's TileLang GDN kernels "
+            "(fastqwen_kernel_preference: {gated_delta_rule: flash-qla}; gate and beta computed outside)",
+        ),
+        PathSpec(
             "stock-moe-eager", "padded",
             "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation eager, padded batches",
         ),
@@ -93,19 +98,22 @@ LETTERS = {
     "a": "stock-torch-padded", "b": "stock-fla-padded", "c": "stock-fla-flattening", "d": "axolotl-packing",
     "e": "fastqwen", "f": "axolotl-best", "g": "axolotl-best-cce", "h": "stock-moe-eager", "i": "stock-moe-grouped-mm",
     "j": "fastqwen-lora-kernels", "k": "axolotl-best+fastqwen", "l": "axolotl-best+fastqwen+ckpt-auto",
-    "m": "fastqwen+ckpt-auto",
+    "m": "fastqwen+ckpt-auto", "n": "axolotl-best+fastqwen+ckpt-auto+flash-qla",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
-    "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto",
+    "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
 )
 # every speed claim is a ratio to the faster of these (same run, model and stream)
 REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
 EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm"}
 # path -> the path it repeats with fastqwen_checkpointing: auto (the bench's loop drives the fitter)
-CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen"}
+CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
+                      "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen"}
+# path -> the plugin's kernel preference (patch_model(prefer=...)); the path is skipped when it does not take
+KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_rule": "flash-qla"}}
 
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
@@ -135,6 +143,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
               dtype: torch.dtype = torch.float32, gc: bool = False) -> Iterator[dict]:
     """Set the model up for path `name`; yields an info dict the path's record keeps."""
     info: dict = {"notes": []}
+    prefer = KERNEL_PREFERENCE.get(name)
     if name in CHECKPOINTING_AUTO:
         if not gc:
             raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
@@ -155,6 +164,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
                 raise PathSkipped(f"cut_cross_entropy did not apply, so this variant would repeat axolotl-best "
                                   f"without its loss: {cce['reason'][:400]}")
             info["notes"] += best["notes"]
+            info["notes"].append(fla_gdn_dispatch())
             info["axolotl_components"] = best["components"]
             info["axolotl_config"] = best["axolotl_config"]
             yield info
@@ -197,7 +207,8 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             undo.restore()
         return
     if name == "axolotl-best+fastqwen":
-        with axolotl_best(model, family, device, dtype, loss="liger", gc=gc) as best, _plugin(model, device, info):
+        with axolotl_best(model, family, device, dtype, loss="liger", gc=gc) as best, \
+                _plugin(model, device, info, prefer):
             info["notes"] += best["notes"]
             info["axolotl_components"] = best["components"]
             info["axolotl_config"] = best["axolotl_config"]
@@ -206,14 +217,33 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     raise ValueError(f"unknown path {name!r}")
 
 
+def fla_gdn_dispatch() -> str:
+    """Where fla 0.6 sends Axolotl's gated delta rule (gate and beta computed outside, as its packing
+    patch calls it): its dispatch takes the first installed and enabled backend whose verifier
+    accepts the call, so an installed FlashQLA (FLA_FLASH_QLA not 0) runs Axolotl's GDN too."""
+    try:
+        from fla.backends import _load_operation_registry  # fla's registry has no public getter
+
+        active = _load_operation_registry("gated_delta_rule").get_active()
+    except Exception as exc:  # noqa: BLE001 - fla < 0.6 has no dispatch: its Triton kernels
+        return f"fla GDN dispatch: fla's Triton kernels (no backend registry: {type(exc).__name__})"
+    name = active.backend_type if active is not None else "none"
+    return f"fla GDN dispatch: first enabled backend {name!r} (else fla's Triton kernels)"
+
+
 @contextlib.contextmanager
-def _plugin(model, device: torch.device, info: dict) -> Iterator[None]:
+def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
-    report = patch_model(model)
+    report = patch_model(model, prefer=prefer)
     info["patch_report"] = report
     try:
         if device.type == "cuda":
             _selfcheck_now(report, model)
+        for op, wanted in (prefer or {}).items():
+            choice = report.kernels.choices[op]
+            if choice.backend.name != wanted:
+                why = dict(choice.rejected).get(wanted, "not chosen")
+                raise PathSkipped(f"{op}: {wanted} did not take ({why}); this path would repeat its base path")
         print(report.format(), flush=True)
         yield
     finally:

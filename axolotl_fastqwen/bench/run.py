@@ -264,18 +264,24 @@ def fla_guard_decision(args, config, device: torch.device, dtype: torch.dtype) -
         log(f"[setup] fla Hopper guard: {verdict}")
         return verdict
     choice = kernels.choices["gated_delta_rule"]
-    verdict = (f"lifted for all paths: fla's GDN passed the self-check at K={config.linear_key_head_dim}, "
-               f"V={config.linear_value_head_dim} ({choice.selfcheck})"
-               if not hopper_guard.active() else
-               f"kept: fla's GDN did not pass the self-check ({'; '.join(w for _, w in choice.rejected)[:300]})")
-    log(f"[setup] fla Hopper guard (fla#640, Triton {measure_triton_version()}): {verdict}")
+    dims = f"K={config.linear_key_head_dim}, V={config.linear_value_head_dim}"
+    if not hopper_guard.active():
+        verdict = f"lifted for all paths: fla's GDN passed the self-check at {dims} ({choice.selfcheck})"
+    elif choice.backend.name == "fla":
+        # fla 0.6 runs the guarded backward piece (chunk_bwd_dqkwg) on its TileLang backend on Hopper
+        # when tilelang is installed, so the guard is never reached
+        verdict = (f"not needed: fla's GDN passed the self-check at {dims} with the guard in place "
+                   f"({choice.selfcheck}; tilelang {measure_version('tilelang')})")
+    else:
+        verdict = f"kept: fla's GDN did not pass the self-check ({'; '.join(w for _, w in choice.rejected)[:300]})"
+    log(f"[setup] fla Hopper guard (fla#640, Triton {measure_version('triton')}): {verdict}")
     return verdict
 
 
-def measure_triton_version() -> str | None:
+def measure_version(package: str) -> str | None:
     from ..ops.availability import version_of
 
-    return version_of("triton")
+    return version_of(package)
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,6 +102,9 @@ def select_kernels(
     device = torch.device(device)
     if backends is None:
         backends = registry.kernel_backends()
+    unknown = sorted(set(prefer or {}) - set(OPS))
+    if unknown:
+        raise ValueError(f"prefer names unknown op(s) {unknown}; the ops are {', '.join(OPS)}")
     choices, references = {}, {}
     for op in OPS:
         wanted = (prefer or {}).get(op)

@@ -83,8 +83,10 @@ def selfcheck(kernels: KernelSet, shapes: CheckShapes, backends=None) -> None:
         reference = reference_backend(backends, op)
         if choice.backend.fallback or choice.backend.name == reference.name:
             continue
+        # then every other backend that can run here, fastest first (a preferred backend may rank
+        # below the default one: that one is still the next to try)
         candidates = [choice.backend] + sorted(
-            (b for b in backends if b.op == op and b.priority < choice.backend.priority and b.available(device) is None),
+            (b for b in backends if b.op == op and b.name != choice.backend.name and b.available(device) is None),
             key=lambda b: -b.priority,
         )
         for backend in candidates:

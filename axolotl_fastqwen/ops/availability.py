@@ -18,6 +18,9 @@ import torch
 # How to get fla: on PyPI under this name, and in this package's `[kernels]` extra (README, "Install").
 FLA_HINT = "pip install 'flash-linear-attention>=0.5.2', in the [kernels] extra"
 
+# FlashQLA (QwenLM's TileLang GDN kernels): opt-in, `fastqwen_kernel_preference` (README, "Kernels").
+FLASH_QLA_HINT = "pip install flash-qla (TileLang; SM90/SM100 GPUs)"
+
 # Distribution name for each importable package we may use.
 DISTRIBUTIONS = {
     "fla": "fla-core",
@@ -25,6 +28,7 @@ DISTRIBUTIONS = {
     "flash_attn": "flash-attn",
     "triton": "triton",
     "liger_kernel": "liger-kernel",
+    "flash_qla": "flash-qla",
 }
 
 
@@ -68,6 +72,11 @@ def has_flash_attn() -> bool:
     return importable("flash_attn")
 
 
+def has_flash_qla() -> bool:
+    """FlashQLA imports only where TileLang finds a GPU it has kernels for (SM90, SM100/103, SM120)."""
+    return importable("flash_qla")
+
+
 def has_liger() -> bool:
     """Liger-Kernel's fused linear cross-entropy (Triton; imports on CPU too, runs on CUDA only)."""
     return importable("liger_kernel")
@@ -91,7 +100,8 @@ def versions() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
     }
-    for package in ("triton", "fla", "causal_conv1d", "flash_attn", "liger_kernel", "peft", "axolotl"):
+    for package in ("triton", "fla", "causal_conv1d", "flash_attn", "liger_kernel", "flash_qla", "tilelang", "peft",
+                    "axolotl"):
         out[package] = version_of(package)
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()

@@ -3,8 +3,9 @@
 Inputs are taken raw, as the layer produces them: q/k before their L2 norm (with the native,
 smaller number of key heads), `a` before the decay gate and `b` before its sigmoid. The fla
 backend then does the L2 norm, the gate `g = -exp(A_log) * softplus(a + dt_bias)`, the beta
-sigmoid and the grouped-value-head broadcast inside its kernels; the reference does the same
-steps in fp32 PyTorch, one sequence at a time, so sequences can never leak into each other.
+sigmoid and the grouped-value-head broadcast inside its kernels; FlashQLA (opt-in) takes gate and
+beta ready-made; the reference does the same steps in fp32 PyTorch, one sequence at a time, so
+sequences can never leak into each other.
 """
 
 from __future__ import annotations
@@ -39,6 +40,40 @@ def fla_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, *, boundaries):
         **varlen,
     )
     return out
+
+
+def flashqla_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, *, boundaries):
+    """FlashQLA's fused TileLang kernels (QwenLM). They take the decay gate and beta ready-made
+    (fla 0.6 does not route in-kernel gating to them), so those two run here as transformers
+    computes them (gate in fp32, beta in the projection's dtype), their gradients through
+    autograd; the L2 norm and the grouped value heads stay in-kernel. Same shapes as fla's."""
+    from flash_qla import chunk_gated_delta_rule
+
+    out, _ = chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        decay_gate(a, A_log, dt_bias),
+        b.sigmoid(),
+        scale=q.shape[-1] ** -0.5,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=boundaries.cu_seqlens_int64() if boundaries is not None else None,
+    )
+    return out
+
+
+# FlashQLA 0.1.3 compiles its kernels for 16-bit q/k/v and head dim 128 only (fla 0.6's own
+# verifier for it says the same).
+FLASH_QLA_DTYPES = (torch.bfloat16, torch.float16)
+FLASH_QLA_HEAD_DIM = 128
+
+
+def flashqla_limits(q, k, v, *args, **kwargs) -> str | None:
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in FLASH_QLA_DTYPES:
+        return f"{q.dtype}/{k.dtype}/{v.dtype} q/k/v (FlashQLA takes one 16-bit dtype)"
+    if q.shape[-1] != FLASH_QLA_HEAD_DIM or v.shape[-1] != FLASH_QLA_HEAD_DIM:
+        return f"head dims K={q.shape[-1]}, V={v.shape[-1]} (FlashQLA takes {FLASH_QLA_HEAD_DIM} only)"
+    return None
 
 
 def decay_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
@@ -160,6 +195,10 @@ SPEC = OpSpec("gated_delta_rule", reference="torch", check_inputs=check_inputs, 
 BACKENDS = (
     KernelBackend("gated_delta_rule", "fla", fla_gated_delta_rule, 100,
                   on_cuda_with(availability.has_fla, availability.FLA_HINT), "fla"),
+    # below fla: chosen only through `fastqwen_kernel_preference` (benchmarks/h200/2026-12-05 measured it)
+    KernelBackend("gated_delta_rule", "flash-qla", flashqla_gated_delta_rule, 90,
+                  on_cuda_with(availability.has_flash_qla, availability.FLASH_QLA_HINT), "flash_qla",
+                  limits=flashqla_limits),
     KernelBackend("gated_delta_rule", "torch", reference_gated_delta_rule, 0, always, fallback=True),
 )
 

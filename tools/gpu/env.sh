@@ -14,5 +14,6 @@ if ls .gpu-cache/triton-cache.txz* >/dev/null 2>&1; then                # xz: a 
 elif ls .gpu-cache/triton-cache.tgz.part* >/dev/null 2>&1; then        # a cache carried in parts
   cat .gpu-cache/triton-cache.tgz.part* | tar xzf - -C "$TRITON_CACHE_DIR"
 elif [ -f .gpu-cache/triton-cache.tgz ]; then tar xzf .gpu-cache/triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
+source tools/gpu/flashqla_env.sh                                       # FlashQLA, when carried (optional)
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 set +e
