@@ -88,11 +88,9 @@ class FastQwenArgs(BaseModel):
     @classmethod
     def _known_ops(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         """An op name that matches nothing would leave the preference silently unused."""
-        from .ops import OPS
+        from .ops import check_op_names
 
-        unknown = sorted(set(value or {}) - set(OPS))
-        if unknown:
-            raise ValueError(f"fastqwen_kernel_preference: unknown op(s) {unknown}; the ops are {', '.join(OPS)}")
+        check_op_names(value or {}, "fastqwen_kernel_preference")
         return value
 
     @model_validator(mode="before")

@@ -140,7 +140,7 @@ def test_prefer_picks_a_named_backend_and_rejects_unknown_names():
 
 
 def test_prefer_rejects_an_unknown_op():
-    with pytest.raises(ValueError, match=r"prefer names unknown op\(s\) \['gdn'\]"):
+    with pytest.raises(ValueError, match=r"prefer: unknown op\(s\) \['gdn'\]; the ops are gated_delta_rule"):
         K.select_kernels("cpu", "auto", prefer={"gdn": "fla"})
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import registry
-from ..ops import OPS, SPECS
+from ..ops import OPS, SPECS, check_op_names
 from ..ops.backend import KernelBackend
 
 LOG = logging.getLogger("axolotl_fastqwen")
@@ -102,9 +102,7 @@ def select_kernels(
     device = torch.device(device)
     if backends is None:
         backends = registry.kernel_backends()
-    unknown = sorted(set(prefer or {}) - set(OPS))
-    if unknown:
-        raise ValueError(f"prefer names unknown op(s) {unknown}; the ops are {', '.join(OPS)}")
+    check_op_names(prefer or {}, "prefer")
     choices, references = {}, {}
     for op in OPS:
         wanted = (prefer or {}).get(op)

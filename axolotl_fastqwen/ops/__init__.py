@@ -16,3 +16,10 @@ SPECS: dict[str, OpSpec] = {
 }
 OPS = tuple(SPECS)
 MODULES = (gated_delta_rule, causal_conv, gated_rmsnorm, varlen_attention, linear_cross_entropy)
+
+
+def check_op_names(names, key: str) -> None:
+    """A preference naming no op would be silently unused: refuse it, listing the ops."""
+    unknown = sorted(set(names) - set(OPS))
+    if unknown:
+        raise ValueError(f"{key}: unknown op(s) {unknown}; the ops are {', '.join(OPS)}")
