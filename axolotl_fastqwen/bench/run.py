@@ -250,6 +250,7 @@ def fla_guard_decision(args, config, device: torch.device, dtype: torch.dtype) -
     head dims; if fla's GDN passes with the guard lifted, the guard stays lifted for the whole run
     (its owner, this decision's kernel set, never releases it)."""
     from ..kernels import hopper_guard, select_kernels, selfcheck
+    from ..ops.availability import version_of
 
     if device.type != "cuda" or not hopper_guard.active():
         return "not active"
@@ -271,17 +272,11 @@ def fla_guard_decision(args, config, device: torch.device, dtype: torch.dtype) -
         # fla 0.6 runs the guarded backward piece (chunk_bwd_dqkwg) on its TileLang backend on Hopper
         # when tilelang is installed, so the guard is never reached
         verdict = (f"not needed: fla's GDN passed the self-check at {dims} with the guard in place "
-                   f"({choice.selfcheck}; tilelang {measure_version('tilelang')})")
+                   f"({choice.selfcheck}; tilelang {version_of('tilelang')})")
     else:
         verdict = f"kept: fla's GDN did not pass the self-check ({'; '.join(w for _, w in choice.rejected)[:300]})"
-    log(f"[setup] fla Hopper guard (fla#640, Triton {measure_version('triton')}): {verdict}")
+    log(f"[setup] fla Hopper guard (fla#640, Triton {version_of('triton')}): {verdict}")
     return verdict
-
-
-def measure_version(package: str) -> str | None:
-    from ..ops.availability import version_of
-
-    return version_of(package)
 
 
 # --------------------------------------------------------------------------------------------
