@@ -7,7 +7,8 @@ import sys
 
 COMMANDS = {
     "bench": ("axolotl_fastqwen.bench.run", "every training path side by side on one model and token stream"),
-    "profile": ("axolotl_fastqwen.bench.profile", "torch.profiler trace of one path: top kernels, GPU idle gaps"),
+    "profile": ("axolotl_fastqwen.bench.profile",
+                "torch.profiler trace of one path: top kernels, GPU idle gaps, launches by issuing op"),
     "doctor": ("axolotl_fastqwen.bench.doctor", "versions, kernel choices and known-bad combinations"),
     "report": ("axolotl_fastqwen.report_cli", "print a finished Axolotl run's plugin report"),
 }

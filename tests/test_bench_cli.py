@@ -532,3 +532,35 @@ def test_a_kernel_preference_path_that_does_not_take_is_skipped_not_run_as_its_b
     assert getattr(model, STATE_ATTR, None) is None
     with _plugin(model, torch.device("cpu"), info, {"gated_delta_rule": "torch"}):
         assert info["patch_report"].kernels.names()["gated_delta_rule"] == "torch"
+
+
+def test_launch_census_groups_launches_by_the_op_chain_that_issued_them():
+    """Real profiler events of a CPU run: each leaf aten op counts as one launch, keyed by the op
+    and its callers up to the autograd function that owns it (its forward record or its backward
+    node), so a census row says which layer code a launch comes from."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from axolotl_fastqwen.bench.profile import launch_census
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.float().mul(2.0)  # an upcast copy and a mul, inside the function's record
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.mul(2.0).to(torch.bfloat16)
+
+    x = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            Scale.apply(x).sum().backward()
+    rows = {r["ops"]: r for r in launch_census(prof.events(), steps=3, top=100)}
+    # the upcast inside forward, keyed by the function that issued it, once per step
+    assert rows["aten::copy_ < aten::_to_copy < aten::to < Scale"]["launches_per_step"] == 1.0, rows
+    # the backward's downcast, keyed by its autograd node
+    assert rows["aten::copy_ < aten::_to_copy < aten::to < ScaleBackward"]["launches_per_step"] == 1.0, rows
+    # views and allocations launch no kernel on a GPU and are not counted
+    assert not any(ops.startswith(("aten::view", "aten::as_strided", "aten::empty")) for ops in rows), rows
+    assert all(r["category"] == "cpu op" and r["ms_per_step"] == 0.0 for r in rows.values())

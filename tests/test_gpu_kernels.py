@@ -396,3 +396,33 @@ def test_35b_a3b_slice_bf16_kernels_and_experts_match_fp32_reference(gpu_record)
     assert names["experts"] == "fastqwen_grouped", names  # the plugin replaced transformers' grouped_mm
     assert all(err <= MODEL_TOL for err in errs.values()), errs
     assert free["loss"] <= MODEL_TOL and free["aux_loss"] <= MODEL_TOL, free
+
+
+def test_launch_census_attributes_cuda_kernels_to_the_op_chain_that_launched_them():
+    """On the GPU the census counts kernels (not CPU ops): the upcast inside an autograd function's
+    forward is one copy kernel per call, keyed by the function; the backward's by its node."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from axolotl_fastqwen.bench.profile import launch_census
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.float().mul(2.0)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.mul(2.0).to(torch.bfloat16)
+
+    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    Scale.apply(x).sum().backward()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            Scale.apply(x).sum().backward()
+        torch.cuda.synchronize()
+    rows = {r["ops"]: r for r in launch_census(prof.events(), steps=3, top=100)}
+    upcast = rows["aten::copy_ < aten::_to_copy < aten::to < Scale"]
+    assert upcast["launches_per_step"] == 1.0 and upcast["category"] == "elementwise/copy", rows
+    assert upcast["ms_per_step"] > 0
+    assert rows["aten::mul < Scale"]["launches_per_step"] == 1.0, rows
+    assert any(ops.endswith("ScaleBackward") for ops in rows), rows

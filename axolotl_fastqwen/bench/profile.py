@@ -3,8 +3,11 @@
 torch.profiler around N training steps (after warm-up) of one path; writes a Chrome trace and
 prints the top kernels by GPU time, launches per step, GPU kernel time by category (GEMM,
 elementwise/copy, GDN, conv, attention, norms, loss, optimizer; MoE models add router and experts),
-and the GPU's idle gaps (consecutive kernels further apart than --gap-us) with the CPU op that was
-running at the time: the host-side work (syncs, Python, launch overhead) that starves the GPU.
+the GPU's idle gaps (consecutive kernels further apart than --gap-us) with the CPU op that was
+running at the time: the host-side work (syncs, Python, launch overhead) that starves the GPU, and
+the launch census: kernels per step by the chain of CPU ops that issued them (the op that launched
+the kernel and its callers up to the nearest autograd function or module), which is where
+launches per token are won or lost.
 
 Categories come from kernel names alone (`CATEGORY_RULES`, first match wins): a heuristic, but
 one that reads the names the libraries give their kernels (fla's `chunk_*`, Liger's
@@ -44,6 +47,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs/fastqwen-profile", help="output folder (trace.json[.gz], profile.json)")
     p.add_argument("--gap-us", type=float, default=50.0, help="GPU idle gaps longer than this are reported")
     p.add_argument("--top", type=int, default=20, help="rows of the kernel / gap tables")
+    p.add_argument("--census-rows", type=int, default=60, help="rows of the launch census table")
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="write profile.json only (a 64-layer trace is tens of MB even gzipped)")
     return p
@@ -164,6 +168,68 @@ def analyze(events, steps: int, gap_us: float, top: int, moe: bool = False) -> d
     return out
 
 
+CENSUS_DEPTH = 5  # ops in a census key at most: the launching op and its callers
+# aten ops that only make views or allocate: no kernel on a GPU, so not a launch in a CPU census
+_NO_KERNEL = re.compile(
+    r"^aten::(view|_?reshape_alias|reshape|_unsafe_view|as_strided|expand|expand_as|transpose|t|permute|select|"
+    r"slice|unsqueeze|squeeze|split|split_with_sizes|chunk|narrow|unbind|detach|alias|empty|empty_strided|"
+    r"empty_like|resolve_conj|resolve_neg|lift_fresh|contiguous|to|_to_copy|result_type|movedim|flatten|"
+    r"unflatten|view_as|numpy_T|matrix_H|lift|_local_scalar_dense|item)$"
+)
+
+
+def _cpu_launches(e) -> bool:
+    """CPU census: an aten op that would launch a kernel itself (none of its callees does)."""
+    name = str(getattr(e, "name", ""))
+    if not name.startswith("aten::") or _NO_KERNEL.match(name):
+        return False
+    stack = list(getattr(e, "cpu_children", None) or [])
+    while stack:
+        child = stack.pop()
+        if str(child.name).startswith("aten::") and not _NO_KERNEL.match(child.name):
+            return False
+        stack.extend(child.cpu_children or [])
+    return True
+
+
+def launch_census(function_events, steps: int, top: int, moe: bool = False) -> list[dict]:
+    """Kernels per step grouped by the chain of CPU ops that launched them.
+
+    `function_events` are torch.profiler FunctionEvents (`prof.events()`): each CPU op lists the
+    device kernels it launched (`.kernels`) and its caller (`.cpu_parent`). The key is the
+    launching op, its aten callers and the first caller that is not an aten op: the autograd
+    function (forward record or backward node), module or record_function that owns the launch.
+    On a CPU-only run there are no kernels; each aten op that would launch one (not a view or an
+    allocation, no callee that launches) counts instead, so the table still shows a step's makeup."""
+    events = list(function_events)
+    on_device = any(getattr(e, "kernels", None) for e in events)
+    rows: dict[tuple[str, ...], dict] = {}
+    for e in events:
+        launched = list(getattr(e, "kernels", None) or [])
+        if not launched:
+            if on_device or not _cpu_launches(e):
+                continue
+            launched = [None]
+        chain, parent = [e.name], e.cpu_parent
+        while parent is not None and len(chain) < CENSUS_DEPTH and chain[-1].startswith("aten::"):
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        key = tuple(chain)
+        row = rows.setdefault(key, {"launches": 0, "us": 0.0, "categories": collections.Counter()})
+        for k in launched:
+            row["launches"] += 1
+            if k is not None:
+                row["us"] += float(getattr(k, "duration", 0.0) or 0.0)
+                row["categories"][categorize(k.name, moe)] += 1
+    table = sorted(rows.items(), key=lambda kv: -kv[1]["launches"])[:top]
+    return [
+        {"ops": " < ".join(k)[:240], "launches_per_step": round(r["launches"] / steps, 1),
+         "ms_per_step": round(r["us"] / steps / 1000, 3),
+         "category": r["categories"].most_common(1)[0][0] if r["categories"] else "cpu op"}
+        for k, r in table
+    ]
+
+
 def _active(cpu, starts, t: float, scan: int = 4000) -> tuple[str, str | None]:
     """Innermost CPU op (latest start) running at time `t`, and the innermost CUDA runtime call."""
     i = bisect.bisect_right(starts, t) - 1
@@ -188,6 +254,7 @@ def print_report(report: dict, device: torch.device) -> None:
     if device.type != "cuda":
         log(f"\nCPU ops per step (no GPU, so no kernel launches): {report['launches_per_step']:,}")
         log("\n(no GPU: top CPU ops by self time)\n" + report.get("cpu_table", ""))
+        _print_census(report)
         return
     log(f"\nkernel launches per step: {report['launches_per_step']:,}; GPU kernel time per step: "
         f"{report.get('gpu_kernel_ms_per_step')} ms of {report['wall_ms_per_step']} ms wall; GPU busy in the "
@@ -207,6 +274,17 @@ def print_report(report: dict, device: torch.device) -> None:
     for g in report["idle_gaps"]:
         rt = f"  [{g['runtime_call']}]" if g["runtime_call"] else ""
         log(f"{g['ms_per_step']:>9.2f} {g['count']:>6}  {g['cpu_op'][:90]}{rt}")
+    _print_census(report)
+
+
+def _print_census(report: dict) -> None:
+    if not report.get("launch_census"):
+        return
+    unit = "kernels" if report.get("unit") == "cuda_kernels" else "leaf CPU ops (no GPU)"
+    log(f"\nlaunch census: {unit} per step by the CPU ops that issued them (launching op < its callers):")
+    log(f"{'launches':>9} {'ms/step':>9}  {'category':<17} ops")
+    for r in report["launch_census"]:
+        log(f"{r['launches_per_step']:>9.1f} {r['ms_per_step']:>9.2f}  {r['category']:<17} {r['ops'][:150]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +355,11 @@ def _report(args, setup, spec, prof, wall: float, mbs: int, checkpointing: dict 
     events = measure.kineto_events(prof)
     moe = bool(getattr(setup.config, "num_experts", 0))
     report = analyze(events, args.steps, args.gap_us, args.top, moe=moe)
+    try:
+        report["launch_census"] = launch_census(prof.events(), args.steps, args.census_rows, moe=moe)
+    except Exception as exc:  # a diagnostic: never lose the rest of a profile (GPU time) to it
+        report["launch_census"] = []
+        log(f"[{args.path}] launch census failed: {type(exc).__name__}: {exc}")
     report.update(path=args.path, steps=args.steps, wall_ms_per_step=round(wall / args.steps * 1000, 1),
                   unit="cuda_kernels" if device.type == "cuda" else "cpu_ops", model=setup.info,
                   micro_batch_size=mbs if spec.layout == "padded" else None,
