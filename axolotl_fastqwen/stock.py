@@ -1,8 +1,9 @@
 """Control over the kernels that stock transformers picks for the Qwen hybrid layers.
 
 Transformers resolves `torch_chunk_gated_delta_rule`, `causal_conv1d_fn`, ... once, at import:
-to fla / causal-conv1d when importable (on a CPU machine too, where they crash), else to its
-PyTorch fallback. With the `kernels` package installed, each is further wrapped in a tiny
+to fla / causal-conv1d when importable, else to its PyTorch fallback. Before 5.25 the package then
+runs on a CPU too, and crashes; 5.25+ sends inputs on a device the package does not support to
+the PyTorch fallback itself. With the `kernels` package installed, each is further wrapped in a tiny
 `nn.Module`. The baselines of our tests and benchmarks need the *stock* layers on a *chosen*
 kernel, so this module finds the PyTorch fallback behind those wrappers and swaps it in,
 reversibly. The plugin's own layers never go through these globals; the one stock path the
@@ -67,15 +68,37 @@ def torch_fallback(fn: Callable, name: str | None = None) -> Callable:
     return fn
 
 
-def resolved_kernel(family: str | ModuleType, name: str) -> str:
-    """Which implementation a stock global resolves to: 'torch' or the providing package."""
+def _closure_cells(fn: Callable) -> dict[str, object]:
+    """A function's closure by variable name (what a decorator closed over)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    cells = {}
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return cells
+
+
+def resolved_kernel(family: str | ModuleType, name: str, device_type: str | None = None) -> str:
+    """Which implementation a stock global resolves to: 'torch' or the providing package.
+
+    With `device_type`, the one that runs for inputs on that device: transformers 5.25+ keeps the
+    package's supported devices beside it (`supported_devices`) and sends inputs on any other
+    device (a CPU) to its PyTorch function itself; before 5.25 the package ran, and crashed."""
     fn = getattr(modeling_module(family), name)
     if type(fn).__name__ == "Func":
         fn = _closure_function(type(fn).forward) or fn
+    cells = _closure_cells(fn)
     # transformers' fallback wrapper closes over the implementation it picked at import
-    for cell in getattr(fn, "__closure__", None) or ():
-        package = (getattr(cell.cell_contents, "__module__", "") or "").split(".")[0]
-        if callable(cell.cell_contents) and package in ("fla", "causal_conv1d"):
+    for value in cells.values():
+        package = (getattr(value, "__module__", "") or "").split(".")[0]
+        if callable(value) and package in ("fla", "causal_conv1d"):
+            supported = cells.get("supported_devices")
+            if device_type is not None and supported is not None and device_type not in supported:
+                return "torch"
             return package
     return "torch"
 
@@ -100,7 +123,7 @@ def stock_kernels_on_cpu(module_name: str | ModuleType, device) -> contextlib.Ab
     if getattr(device, "type", device) != "cpu" or torch.compiler.is_compiling():
         return contextlib.nullcontext()  # (dynamo cannot trace a swap of module globals)
     module = modeling_module(module_name)
-    if all(resolved_kernel(module, name) == "torch" for name in KERNEL_GLOBALS if hasattr(module, name)):
+    if all(resolved_kernel(module, name, "cpu") == "torch" for name in KERNEL_GLOBALS if hasattr(module, name)):
         return contextlib.nullcontext()
     return stock_torch_kernels(module)
 

@@ -216,6 +216,31 @@ def test_stock_torch_kernels_context_switches_and_restores():
     assert mq.torch_chunk_gated_delta_rule is before
 
 
+def test_what_stock_runs_on_a_cpu_is_what_resolved_kernel_says():
+    """The stock gated delta rule called on CPU inputs: where `resolved_kernel(..., "cpu")` says
+    torch, it runs and equals transformers' PyTorch function bitwise (no fla, or transformers 5.25+,
+    which routes CPU inputs there itself); where it names fla, fla's Triton kernel is what runs,
+    and it fails on a CPU (the crash the stock baselines and the cache path must route around)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    from axolotl_fastqwen.stock import resolved_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 12, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, 12, 2, 8, generator=g)
+    gate = -torch.rand(1, 12, 2, generator=g)
+    beta = torch.rand(1, 12, 2, generator=g)
+    args = dict(g=gate, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    reference, _ = torch_fallback(mq.torch_chunk_gated_delta_rule, "torch_chunk_gated_delta_rule")(q, k, v, **args)
+    if resolved_kernel(mq, "torch_chunk_gated_delta_rule", "cpu") == "torch":
+        out, _ = mq.torch_chunk_gated_delta_rule(q, k, v, **args)
+        torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    else:
+        assert resolved_kernel(mq, "torch_chunk_gated_delta_rule") == "fla"
+        with pytest.raises(Exception):
+            mq.torch_chunk_gated_delta_rule(q, k, v, **args)
+
+
 def test_fla_chunk_plan_is_built_once_per_batch_not_once_per_layer():
     """fla caches `prepare_chunk_indices` (a host computation plus a blocking host-to-device copy) by
     the identity of the tensors passed; every GDN and conv layer of one forward must hit that cache.

@@ -52,7 +52,8 @@ def _without_axolotl(session: nox.Session, requirements: str) -> None:
 
 @nox.session(name="latest", python=PYTHON, tags=["ci"])
 def latest(session: nox.Session) -> None:
-    """The newest installable transformers (5.24.0) and fla (0.6.0): the layers, kernels and packer, no Axolotl."""
+    """The newest installable torch (2.15.0), transformers (5.25.0) and fla (0.6.0): the layers, kernels and
+    packer, no Axolotl."""
     _without_axolotl(session, "latest.txt")
 
 

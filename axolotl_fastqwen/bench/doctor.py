@@ -137,7 +137,7 @@ def known_problems(device: torch.device, versions: dict) -> list[dict]:
     for family in registry.families():
         module = family.modeling_module
         with contextlib.suppress(Exception):
-            chosen = resolved_kernel(module, "torch_chunk_gated_delta_rule")
+            chosen = resolved_kernel(module, "torch_chunk_gated_delta_rule", device.type)
             if chosen != "torch" and device.type != "cuda":
                 add("bad", "transformers on CPU",
                     f"{module} resolved its gated delta rule to {chosen} at import although there is no GPU: the "

@@ -134,8 +134,9 @@ def parse_paths(text: str | None) -> list[str]:
     return [p for p in EXECUTION_ORDER if p in wanted]
 
 
-def stock_kernels(family: str) -> dict[str, str]:
-    return {name: resolved_kernel(family, name) for name in STOCK_GLOBALS}
+def stock_kernels(family: str, device_type: str | None = None) -> dict[str, str]:
+    """What each stock kernel global resolved to at import; with `device_type`, what runs there."""
+    return {name: resolved_kernel(family, name, device_type) for name in STOCK_GLOBALS}
 
 
 @contextlib.contextmanager
@@ -176,10 +177,16 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         return
     if name in ("stock-fla-padded", "stock-fla-flattening"):
         info["stock_kernels"] = kernels = stock_kernels(family)
-        if device.type != "cuda" and any(v != "torch" for v in kernels.values()):
+        running = stock_kernels(family, device.type)
+        if device.type != "cuda" and any(v != "torch" for v in running.values()):
             info["notes"].append(
                 f"transformers resolved {kernels} at import; these are CUDA/Triton kernels and this device is "
                 f"{device.type}: the stock forward is expected to crash here"
+            )
+        elif running != kernels:
+            info["notes"].append(
+                f"transformers resolved {kernels} at import and sends inputs on {device.type} to its PyTorch "
+                f"functions itself (transformers 5.25+): this path runs {running}"
             )
         if all(v == "torch" for v in kernels.values()):
             info["notes"].append("no fla / causal-conv1d resolved: this path runs the PyTorch fallback")
