@@ -3,8 +3,8 @@
 Transformers resolves `torch_chunk_gated_delta_rule`, `causal_conv1d_fn`, ... once, at import:
 to fla / causal-conv1d when importable, else to its PyTorch fallback. Before 5.25 the package then
 runs on a CPU too, and crashes; 5.25+ sends inputs on a device the package does not support to
-the PyTorch fallback itself. With the `kernels` package installed, each is further wrapped in a tiny
-`nn.Module`. The baselines of our tests and benchmarks need the *stock* layers on a *chosen*
+the PyTorch fallback itself. With the `kernels` package installed, each is further wrapped in a
+tiny `nn.Module`. The baselines of our tests and benchmarks need the *stock* layers on a *chosen*
 kernel, so this module finds the PyTorch fallback behind those wrappers and swaps it in,
 reversibly. The plugin's own layers never go through these globals; the one stock path the
 patched model keeps (generation with a recurrent cache) runs on the fallbacks when on a CPU.
