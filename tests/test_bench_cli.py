@@ -544,15 +544,7 @@ def test_launch_census_groups_launches_by_the_op_chain_that_issued_them():
     from torch.profiler import ProfilerActivity, profile
 
     from axolotl_fastqwen.bench.profile import launch_census
-
-    class Scale(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.float().mul(2.0)  # an upcast copy and a mul, inside the function's record
-
-        @staticmethod
-        def backward(ctx, g):
-            return g.mul(2.0).to(torch.bfloat16)
+    from census_probe import Scale
 
     x = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

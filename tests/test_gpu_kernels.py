@@ -404,15 +404,7 @@ def test_launch_census_attributes_cuda_kernels_to_the_op_chain_that_launched_the
     from torch.profiler import ProfilerActivity, profile
 
     from axolotl_fastqwen.bench.profile import launch_census
-
-    class Scale(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.float().mul(2.0)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g.mul(2.0).to(torch.bfloat16)
+    from census_probe import Scale
 
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     Scale.apply(x).sum().backward()  # warm-up outside the profile
