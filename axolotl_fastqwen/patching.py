@@ -33,6 +33,7 @@ from .layers.attention import attention_forward
 from .layers import experts as grouped_experts
 from .layers.causal_lm import causal_lm_forward
 from .layers.gated_deltanet import gated_deltanet_forward
+from .lean_activations import LeanActivations
 from .ops import availability
 from .report import format_report
 
@@ -80,6 +81,7 @@ class PatchReport:
     context: ForwardContext | None = field(default=None, repr=False)
     model: weakref.ref | None = field(default=None, repr=False)  # read live: who runs the experts
     experts_check: object | None = None  # kernels.experts_check.ExpertsCheck, set at the first GPU forward
+    lean: LeanActivations | None = field(default=None, repr=False)  # fastqwen_lean_activations, when on
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -114,6 +116,7 @@ class PatchReport:
             "boundary_sources": sorted(self.boundary_sources),
             "forwards_without_trainable_tokens": self.context.empty_forwards() if self.context else 0,
             "batch_shapes": {k: sorted(list(s) for s in v) for k, v in self.batch_shapes.items()},
+            "lean_activations": self.lean.to_dict() if self.lean is not None else None,
             "versions": self.versions,
         }
 
@@ -137,6 +140,7 @@ def patch_model(
     fused_cross_entropy: bool = True,
     device: torch.device | str | None = None,
     prefer: dict[str, str] | None = None,
+    lean_activations: bool = False,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -145,6 +149,9 @@ def patch_model(
     "require" (raise if any op would use the PyTorch path) or "reference" (PyTorch everywhere).
     device: where the model will train; defaults to the device of its parameters.
     prefer: op -> backend name to try first, e.g. {"causal_conv": "fla-triton"}.
+    lean_activations: in layers that keep their activations, drop the norm and output-gate outputs
+        autograd would hold and recompute them in backward (`lean_activations.py`): same gradients,
+        less memory.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -190,6 +197,9 @@ def patch_model(
 
     if fused_cross_entropy:
         report.fused_cross_entropy = _patch_causal_lm(base, plan, kernels, patched, context)
+    if lean_activations:
+        layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
+        report.lean = LeanActivations(layers, plan.family.layer_norms)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context, "expert_adapters": expert_adapters,
                                  "experts_before": experts_before}
@@ -208,6 +218,8 @@ def unpatch_model(model: nn.Module) -> None:
         handle.remove()
     state["lora_cast"].restore()
     state["expert_adapters"].restore()
+    if state["report"].lean is not None:
+        state["report"].lean.restore()
     if state["experts_before"] is not None and experts_implementation(experts_modules(base)[0]) == grouped_experts.GROUPED:
         set_experts_implementation(base, state["experts_before"])
     for module in state["modules"]:

@@ -86,12 +86,18 @@ class FastQwenPlugin(BasePlugin):
             fused_cross_entropy=fused_ce,
             device=training_device(),
             prefer=cfg.get("fastqwen_kernel_preference") or None,
+            lean_activations=bool(cfg.get("fastqwen_lean_activations")),
             log=False,
         )
         owner = coexistence.loss_owner(cfg)
         if owner:
             self.report.fused_cross_entropy = f"delegated to Axolotl's {owner}"
         self.report.kernels.notes.extend(coexistence.notes(cfg, self.report))
+        if cfg.get("fastqwen_lean_activations") and cfg.get("gradient_checkpointing") \
+                and cfg.get("fastqwen_checkpointing") != "auto":
+            self.report.kernels.notes.append(
+                "fastqwen_lean_activations drops nothing here: gradient_checkpointing recomputes every layer "
+                "(fastqwen_checkpointing: full); it pays with fastqwen_checkpointing: auto")
         LOG.info("%s", self.report.format())
 
     # ---- data ------------------------------------------------------------------------------

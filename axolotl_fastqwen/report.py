@@ -40,6 +40,15 @@ def format_report(d: dict) -> str:
     if d.get("forwards_without_trainable_tokens"):
         lines.append(f"  training forwards without a trainable token (loss 0, no update): "
                      f"{d['forwards_without_trainable_tokens']}")
+    lean = d.get("lean_activations")
+    if lean is not None and not lean["lean_layers_last_forward"]:
+        lines.append("  lean activations: on; no layer that keeps its activations has run a training forward yet")
+    elif lean is not None:
+        kept = "; saves kept: " + ", ".join(f"{n} ({why})" for why, n in lean["saves_kept"].items()) \
+            if lean["saves_kept"] else ""
+        lines.append(f"  lean activations: {lean['outputs_dropped_per_forward']} outputs dropped in "
+                     f"{lean['lean_layers_last_forward']} of {lean['layers_hooked']} layers at the last training "
+                     f"forward ({lean['mib_dropped_per_forward']} MiB), recomputed in backward{kept}")
     versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)
     lines.append(f"  versions: {versions}")
     return "\n".join(lines)

@@ -25,6 +25,10 @@ from axolotl_fastqwen.args import FastQwenArgs, token_budget
         ({"fastqwen_overlong": "drop"}, "fastqwen_overlong"),
         ({"fastqwen_kernel_preference": {"gdn": "flash-qla"}},
          "fastqwen_kernel_preference: unknown op(s) ['gdn']; the ops are gated_delta_rule, causal_conv"),
+        ({"fastqwen_lean_activations": True, "fsdp_config": {"fsdp_version": 2}},
+         "fastqwen_lean_activations cannot be used with `fsdp_config`"),
+        ({"fastqwen_lean_activations": True, "torch_compile": True, "deepspeed": "zero3.json"},
+         "cannot be used with `deepspeed`, `torch_compile`: sharded weights"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(data, message):
@@ -33,6 +37,11 @@ def test_bad_values_name_the_key_and_the_fix(data, message):
     assert message in str(err.value)
     if "fastqwen_packing" not in data and any(k in data for k in ("sample_packing", "rl", "batch_flattening")):
         assert "set `fastqwen_packing: false`" in str(err.value)
+
+
+def test_lean_activations_are_off_by_default_and_allowed_without_sharding_or_compile():
+    assert FastQwenArgs.model_validate({}).fastqwen_lean_activations is False
+    FastQwenArgs.model_validate({"fastqwen_lean_activations": True, "torch_compile": False, "fsdp_config": {}})
 
 
 def test_packing_off_allows_axolotl_packing():

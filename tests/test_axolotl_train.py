@@ -272,3 +272,21 @@ def test_a_kernel_preference_for_an_unknown_op_fails_at_config_load(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode != 0
     assert "fastqwen_kernel_preference: unknown op(s) ['gdn']" in out and "Loading model" not in out
+
+
+def test_lean_activations_train_with_the_losses_of_a_run_without_them(tmp_path):
+    """`fastqwen_lean_activations: true` through Axolotl, no checkpointing (every layer keeps its
+    activations): the same per-step losses, to the printed digit (the gradients are the same bits:
+    test_lean_activations.py), and the report says what was dropped."""
+    plain, lean = tmp_path / "plain", tmp_path / "lean"
+    plain.mkdir(), lean.mkdir()
+    reference = train_losses(train(config(plain)))
+    log = train(config(lean, fastqwen_lean_activations=True))
+    losses = train_losses(log)
+    assert len(losses) == len(reference) == 3 and losses == reference, (losses, reference)
+    dropped = report(lean)["kernels"]["lean_activations"]
+    # all 12 (3 a layer): Axolotl calls peft's `enable_input_require_grads`, so even the first norm
+    # saves its input (test_lean_activations.py: 11 without)
+    assert dropped["lean_layers_last_forward"] == 4 and dropped["outputs_dropped_per_forward"] == 12, dropped
+    assert dropped["saves_kept"] == {}, dropped
+    assert "lean activations: on; no layer that keeps its activations has run a training forward yet" in log

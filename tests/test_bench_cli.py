@@ -65,10 +65,12 @@ def test_bench_writes_complete_json(bench):
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
         "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen", "fastqwen+ckpt-auto",
-        "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla", "stock-moe-eager",
+        "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
+        "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean", "stock-moe-eager",
         "stock-moe-grouped-mm",
     ]
-    assert _path(result, "axolotl-best+fastqwen+ckpt-auto+flash-qla")["status"] == "skipped"  # no --gc, no GPU
+    for name in ("axolotl-best+fastqwen+ckpt-auto+flash-qla", "axolotl-best+fastqwen+ckpt-auto+lean"):
+        assert _path(result, name)["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
     assert "MFU = model FLOPs" in result["flops"]["formula"]
@@ -261,9 +263,12 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
                                       "axolotl-best-cce"]
-    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-6:] == (
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-8:] == (
         "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen",
-        "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla")  # Axolotl's patches last
+        "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
+        "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
+    )  # Axolotl's patches last
+    assert parse_paths("o,l") == ["axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+lean"]
     assert parse_paths("l,m,k") == ["fastqwen+ckpt-auto", "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto"]
     with pytest.raises(ValueError, match="f=axolotl-best"):
         parse_paths("z")

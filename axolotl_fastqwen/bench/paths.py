@@ -84,6 +84,15 @@ PATHS: dict[str, PathSpec] = {
             "(fastqwen_kernel_preference: {gated_delta_rule: flash-qla}; gate and beta computed outside)",
         ),
         PathSpec(
+            "axolotl-best+fastqwen+ckpt-auto+lean", "packed",
+            "axolotl-best+fastqwen+ckpt-auto with fastqwen_lean_activations (norm outputs of kept layers "
+            "recomputed in backward, not held)",
+        ),
+        PathSpec(
+            "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean", "packed",
+            "axolotl-best+fastqwen+ckpt-auto+flash-qla with fastqwen_lean_activations",
+        ),
+        PathSpec(
             "stock-moe-eager", "padded",
             "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation eager, padded batches",
         ),
@@ -99,21 +108,28 @@ LETTERS = {
     "e": "fastqwen", "f": "axolotl-best", "g": "axolotl-best-cce", "h": "stock-moe-eager", "i": "stock-moe-grouped-mm",
     "j": "fastqwen-lora-kernels", "k": "axolotl-best+fastqwen", "l": "axolotl-best+fastqwen+ckpt-auto",
     "m": "fastqwen+ckpt-auto", "n": "axolotl-best+fastqwen+ckpt-auto+flash-qla",
+    "o": "axolotl-best+fastqwen+ckpt-auto+lean", "p": "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
+    "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
 )
 # every speed claim is a ratio to the faster of these (same run, model and stream)
 REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
 EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm"}
 # path -> the path it repeats with fastqwen_checkpointing: auto (the bench's loop drives the fitter)
 CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
-                      "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen"}
+                      "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen",
+                      "axolotl-best+fastqwen+ckpt-auto+lean": "axolotl-best+fastqwen",
+                      "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": "axolotl-best+fastqwen"}
 # path -> the plugin's kernel preference (patch_model(prefer=...)); the path is skipped when it does not take
-KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_rule": "flash-qla"}}
+KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_rule": "flash-qla"},
+                     "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": {"gated_delta_rule": "flash-qla"}}
+# paths with fastqwen_lean_activations (patch_model(lean_activations=True))
+LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean")
 
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
@@ -145,6 +161,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     """Set the model up for path `name`; yields an info dict the path's record keeps."""
     info: dict = {"notes": []}
     prefer = KERNEL_PREFERENCE.get(name)
+    lean = name in LEAN_ACTIVATIONS
     if name in CHECKPOINTING_AUTO:
         if not gc:
             raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
@@ -215,7 +232,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         return
     if name == "axolotl-best+fastqwen":
         with axolotl_best(model, family, device, dtype, loss="liger", gc=gc) as best, \
-                _plugin(model, device, info, prefer):
+                _plugin(model, device, info, prefer, lean):
             info["notes"] += best["notes"]
             info["axolotl_components"] = best["components"]
             info["axolotl_config"] = best["axolotl_config"]
@@ -239,9 +256,10 @@ def fla_gdn_dispatch() -> str:
 
 
 @contextlib.contextmanager
-def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None) -> Iterator[None]:
+def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
+            lean: bool = False) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
-    report = patch_model(model, prefer=prefer)
+    report = patch_model(model, prefer=prefer, lean_activations=lean)
     info["patch_report"] = report
     try:
         if device.type == "cuda":

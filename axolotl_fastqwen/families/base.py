@@ -66,6 +66,7 @@ class Family:
     aux_loss: str | None = None  # the modeling module's load-balancing function
     expert_parameters: tuple[str, ...] = ()  # peft target_parameters for LoRA on the routed experts
     mrope: bool = True  # interleaved multimodal RoPE sections in the text rotary (Qwen3.5)
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # each decoder layer's RMSNorms
     shapes: tuple[PublishedShape, ...] = ()  # released model sizes (bench/shapes.py)
     toy: tuple[tuple[str, object], ...] = ()  # config fields the toy-size model of this family adds
 

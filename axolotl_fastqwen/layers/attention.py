@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..boundaries import BOUNDARIES_KWARG, cache_of
+from ..lean_activations import recomputable
 
 
 def attention_forward(self, hidden_states, position_embeddings, *args, **kwargs):
@@ -38,6 +39,7 @@ def attention_forward(self, hidden_states, position_embeddings, *args, **kwargs)
         query[0], key[0], value[0], boundaries=boundaries, scale=self.scaling,
         dropout=self.attention_dropout if self.training else 0.0,
     )
-    out = out.reshape(1, tokens, -1) * torch.sigmoid(gate)
+    # recomputable: o_proj's LoRA saves the gated output, which mul's own saved operands give back
+    out = recomputable(torch.mul, out.reshape(1, tokens, -1), torch.sigmoid(gate))
     o_proj = getattr(self, "apply_o", None) or self.o_proj  # Axolotl's lora_o_kernel, if attached
     return o_proj(out).reshape(batch, seq_len, -1), None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..boundaries import BOUNDARIES_KWARG, cache_of
+from ..lean_activations import recomputable
 from ..stock import stock_kernels_on_cpu
 
 
@@ -44,7 +45,16 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, **kwargs):
     value = value.reshape(rows, tokens, self.num_v_heads, self.head_v_dim)
 
     core = kernels.gated_delta_rule(query, key, value, a, b, self.A_log, self.dt_bias, boundaries=boundaries)
-    core = kernels.gated_rmsnorm(core, z, self.norm.weight, eps=self.norm.variance_epsilon)
+    # recomputable: out_proj's LoRA saves its input; under lean activations a kept layer drops it
+    normed = recomputable(_gated_norm_rows, kernels.gated_rmsnorm, core, z, self.norm.weight,
+                          self.norm.variance_epsilon, rows, tokens)
     out_proj = getattr(self, "apply_out_proj", None) or self.out_proj  # Axolotl's lora_o_kernel, if attached
-    output = out_proj(core.reshape(rows, tokens, -1))
+    output = out_proj(normed)
     return output.reshape(batch, seq_len, -1)
+
+
+def _gated_norm_rows(gated_rmsnorm, core, z, weight, eps, rows, tokens):
+    """The gated norm's output as out_proj reads it, [rows, tokens, value_dim]: one function, so that
+    what lean activations recompute is the very tensor out_proj saved (a copy where the reshape
+    of a non-contiguous output copies)."""
+    return gated_rmsnorm(core, z, weight, eps=eps).reshape(rows, tokens, -1)
