@@ -176,5 +176,6 @@ def check_shapes(base: nn.Module, dtype: torch.dtype | None = None) -> CheckShap
         kv_heads=attn.config.num_key_value_heads if attn is not None else 1,
         head_dim=attn.head_dim if attn is not None else 64,
         dtype=dtype,
+        hidden=gdn.hidden_size,
     )
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+# why an output was held after all, as the report says it
+INPUT_NOT_SAVED = "an input was not saved by its own op, so dropping would hold it instead"
 _THREAD = threading.local()  # per thread, as autograd's saved-tensor hooks are (nn.DataParallel runs threads)
 
 
@@ -165,7 +167,7 @@ class _LayerForward:
         if t._version != marked.version:
             return "modified in place after its forward"
         if any(key is None or key not in self.saved for key in marked.inputs):
-            return "an input its own op did not save"
+            return INPUT_NOT_SAVED
         if any(tensor._version != version for tensor, version in marked.recipe.versions):
             return "an input modified in place after the forward"
         return None

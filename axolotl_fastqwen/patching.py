@@ -33,6 +33,7 @@ from .layers.attention import attention_forward
 from .layers import experts as grouped_experts
 from .layers.causal_lm import causal_lm_forward
 from .layers.gated_deltanet import gated_deltanet_forward
+from .layers.rms_norm import rms_norm_forward
 from .lean_activations import LeanActivations
 from .ops import availability
 from .report import format_report
@@ -82,6 +83,7 @@ class PatchReport:
     model: weakref.ref | None = field(default=None, repr=False)  # read live: who runs the experts
     experts_check: object | None = None  # kernels.experts_check.ExpertsCheck, set at the first GPU forward
     lean: LeanActivations | None = field(default=None, repr=False)  # fastqwen_lean_activations, when on
+    rms_norms: int = 0  # transformers RMSNorm modules of the decoder run by the rms_norm op
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -91,6 +93,8 @@ class PatchReport:
             names["linear_cross_entropy"] = self.fused_cross_entropy
         if not self.attention_layers:
             names.pop("varlen_attention", None)
+        if not self.rms_norms:
+            names["rms_norm"] = "off (the decoder's norms are not transformers' own, e.g. liger_rms_norm's)"
         return names
 
     def to_dict(self) -> dict:
@@ -109,6 +113,7 @@ class PatchReport:
             "device": str(self.kernels.device),
             "mode": self.kernels.mode,
             "layers_patched": {"gated_deltanet": self.gated_deltanet_layers, "attention": self.attention_layers},
+            "rms_norms_patched": self.rms_norms,
             "selfchecked": self.kernels.checked and self.kernels.device.type == "cuda",
             "ops": ops,
             "experts": self._experts(model),
@@ -175,6 +180,11 @@ def patch_model(
         _install(module, forward, plan, kernels, context)
         patched.append(module)
         counts[kind] += 1
+    norms = [m for decoder in base.modules() if type(decoder) in plan.decoder
+             for m in decoder.modules() if type(m) in plan.rms_norm and not _forward_replaced(m)]
+    for module in norms:
+        _install(module, rms_norm_forward, plan, kernels, context)
+    patched += norms
 
     report = PatchReport(
         family=plan.name,
@@ -186,6 +196,7 @@ def patch_model(
         versions=availability.versions(),
         context=context,
         model=weakref.ref(base),
+        rms_norms=len(norms),
     )
     experts_before = _use_grouped_experts(base, kernels)
     lora_cast = LoraInputCast(base)
@@ -275,6 +286,14 @@ def _install(module: nn.Module, forward, plan: FamilyPlan, kernels: KernelSet, c
     module.__dict__["_fastqwen_attr"] = attr
     module.__dict__["_fastqwen_had_instance_forward"] = attr in module.__dict__
     setattr(module, attr, PatchedForward(forward, module, inspect.signature(original)))
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    """Another integration bound its own forward to this instance (Liger's `_patch_rms_norm_module`
+    does, given a model): leave the module to it. accelerate's hook keeps the class forward beneath."""
+    attr = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+    forward = module.__dict__.get(attr)
+    return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
 
 
 def _uninstall(module: nn.Module) -> None:

@@ -14,7 +14,7 @@ def format_report(d: dict) -> str:
     lines = [
         f"axolotl_fastqwen: {d['family']} ({d['model_class']}) on {d['device']}, kernels={d['mode']}: "
         f"{d['layers_patched']['gated_deltanet']} Gated DeltaNet + {d['layers_patched']['attention']} attention "
-        "layers patched",
+        f"layers patched" + (f", {d['rms_norms_patched']} RMSNorms" if d.get("rms_norms_patched") else ""),
         f"  {'op':<22} {'backend':<16} {'self-check / why others were not used'}",
     ]
     for op, info in d["ops"].items():
@@ -44,9 +44,10 @@ def format_report(d: dict) -> str:
     if lean is not None and not lean["lean_layers_last_forward"]:
         lines.append("  lean activations: on; no layer that keeps its activations has run a training forward yet")
     elif lean is not None:
-        kept = "; saves kept: " + ", ".join(f"{n} ({why})" for why, n in lean["saves_kept"].items()) \
-            if lean["saves_kept"] else ""
-        lines.append(f"  lean activations: {lean['outputs_dropped_per_forward']} outputs dropped in "
+        kept = "; kept: " + ", ".join(f"{n} save{'s' if n != 1 else ''} ({why})"
+                                      for why, n in lean["saves_kept"].items()) if lean["saves_kept"] else ""
+        n = lean["outputs_dropped_per_forward"]
+        lines.append(f"  lean activations: {n} output{'s' if n != 1 else ''} dropped in "
                      f"{lean['lean_layers_last_forward']} of {lean['layers_hooked']} layers at the last training "
                      f"forward ({lean['mib_dropped_per_forward']} MiB), recomputed in backward{kept}")
     versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)

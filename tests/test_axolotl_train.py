@@ -68,9 +68,10 @@ def test_class_form_patches_packs_and_reports(tmp_path):
     kernels, packing = r["kernels"], r["packing"]
     assert kernels["family"] == "qwen3_5"
     assert kernels["layers_patched"] == {"gated_deltanet": 3, "attention": 1}
+    assert kernels["rms_norms_patched"] == 4 * 2 + 2 + 1  # each layer's two, the attention's q/k, the final
     assert {op: v["backend"] for op, v in kernels["ops"].items()} == {
         "gated_delta_rule": "torch", "causal_conv": "torch", "gated_rmsnorm": "torch", "varlen_attention": "torch",
-        "linear_cross_entropy": "torch-chunked"}
+        "rms_norm": "torch", "linear_cross_entropy": "torch-chunked"}
     assert kernels["boundary_sources"] == ["collator"]
     # every training and evaluation batch had the one static shape
     assert kernels["batch_shapes"] == {"train": [[1, 1024]], "eval": [[1, 1024]]}

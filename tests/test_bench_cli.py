@@ -410,7 +410,7 @@ def test_doctor_runs_on_cpu_and_says_what_a_gpu_would_use(tmp_path, capsys):
     assert main(["doctor", "--model", "tiny", "--json", str(out)]) == 0
     findings = json.loads(out.read_text())
     assert {row["op"] for row in findings["kernels"]} == {
-        "gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention", "linear_cross_entropy"
+        "gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention", "rms_norm", "linear_cross_entropy"
     }
     assert all(row["backend"] == "torch" for row in findings["kernels_here"] if row["op"] != "linear_cross_entropy")
     assert findings["problems"] and "known-bad combinations" in capsys.readouterr().out

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
-from axolotl_fastqwen.lean_activations import LeanActivationsError
+from axolotl_fastqwen.lean_activations import INPUT_NOT_SAVED, LeanActivationsError
 from test_patching import FAMILIES, LORA_TARGETS, grads, model_for, packed_batch, sequences
 
 
@@ -132,7 +132,7 @@ def test_every_layer_is_lean_without_checkpointing_and_none_under_full_checkpoin
     # layer 0's first norm reads the frozen embeddings' output, which needs no grad, so its own op
     # saves nothing: that output is held as before (saved by two LoRA A's), the other 11 are dropped
     assert report["lean_layers_last_forward"] == 4 and report["outputs_dropped_per_forward"] == 3 * 3 + 3 - 1
-    assert report["saves_kept"] == {"an input its own op did not save": 2}
+    assert report["saves_kept"] == {INPUT_NOT_SAVED: 2}
     assert held == {"0.input_layernorm"}
 
     full = lora_model("qwen3_5", gc=True)
@@ -150,7 +150,7 @@ def test_an_output_whose_inputs_were_not_saved_is_held_as_before():
     lean_loss, ours, held, report = step(model, batch, lean=True)
     assert torch.equal(lean_loss, loss) and all(torch.equal(ours[k], ref[k]) for k in ref)
     assert report["outputs_dropped_per_forward"] == 1 and held == held_before - {"3.gated_output"}, held
-    assert report["saves_kept"].get("an input its own op did not save", 0) >= 11, report
+    assert report["saves_kept"].get(INPUT_NOT_SAVED, 0) >= 11, report
 
 
 def test_an_input_changed_in_place_before_backward_is_refused():
@@ -184,3 +184,29 @@ def test_unpatch_takes_every_hook_off():
     assert hooks() == before + 4 * 4  # per layer: its pre/post hooks, one per norm
     unpatch_model(model)
     assert hooks() == before
+
+
+def test_axolotl_fused_lora_projections_drop_the_same_outputs_and_change_no_bit():
+    """Path l's composition on CPU: Axolotl's own lora_qkv / lora_o kernels attached (its fused
+    Gated DeltaNet in-projections and out_proj, attention q/k/v and o; its SwiGLU kernel is Triton,
+    so the MLP stays peft's): its autograd functions save the same norm and gate outputs, which are
+    dropped and recomputed with the same bits."""
+    pytest.importorskip("axolotl")
+    from axolotl_fastqwen.bench.paths import _attach_axolotl_lora_kernels
+    from axolotl_fastqwen.bench.restore import Undo
+
+    model = lora_model("qwen3_5", gc=False)
+    undo = Undo()
+    note = _attach_axolotl_lora_kernels(model, torch.device("cpu"), undo)
+    try:
+        assert "apply_in_proj_fused" in note and "apply_out_proj" in note, note
+        batch = packed_batch(sequences(model.config.vocab_size))
+        loss, ref, held_before, _ = step(model, batch, lean=False)
+        lean_loss, ours, held, report = step(model, batch, lean=True)
+    finally:
+        undo.restore()
+    assert torch.equal(lean_loss, loss) and all(torch.equal(ours[k], ref[k]) for k in ref)
+    assert report["outputs_dropped_per_forward"] == 3 * 3 + 3 - 1, report  # as with peft's layers
+    # Axolotl's o / out_proj functions bypass the modules' forward, so the test records only the
+    # 8 norm outputs: all held without lean, only layer 0's first with it
+    assert len(held_before) == 8 and held == {"0.input_layernorm"}, (held, held_before)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from axolotl_fastqwen import registry
 from axolotl_fastqwen.boundaries import Boundaries
 from axolotl_fastqwen.ops.causal_conv import reference_causal_conv
 from axolotl_fastqwen.ops.gated_delta_rule import naive_recurrence, reference_gated_delta_rule
@@ -103,6 +104,72 @@ def test_gated_rmsnorm_is_the_stock_module_bitwise():
     norm.weight.data = torch.randn(16)
     x, z = torch.randn(30, 16), torch.randn(30, 16)
     assert torch.equal(reference_gated_rmsnorm(x, z, norm.weight, eps=1e-6), norm(x, z))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_each_familys_stock_module_bitwise(family, dtype):
+    """The rms_norm reference is what every family's RMSNorm class computes, forward and backward,
+    bit for bit (it is the CPU path, and what runs where Liger is not installed)."""
+    from axolotl_fastqwen.ops.rms_norm import reference_rms_norm
+
+    plan = registry.family(family).resolve()
+    (cls,) = plan.rms_norm
+    norm = cls(16, eps=1e-6).to(dtype)
+    norm.weight.data = 0.1 * torch.randn(16, dtype=dtype)
+    x = torch.randn(3, 10, 16, dtype=dtype, requires_grad=True)
+    dy = torch.randn(3, 10, 16, dtype=dtype)
+    ours = reference_rms_norm(x, norm.weight, eps=1e-6)
+    (dx_ours, dw_ours) = torch.autograd.grad(ours, (x, norm.weight), dy)
+    stock = norm(x)
+    (dx, dw) = torch.autograd.grad(stock, (x, norm.weight), dy)
+    assert torch.equal(ours, stock) and torch.equal(dx_ours, dx) and torch.equal(dw_ours, dw)
+
+
+def test_a_family_rms_norm_class_replaced_by_another_library_is_not_patched(monkeypatch):
+    """`liger_rms_norm` swaps the modeling module's RMSNorm name for Liger's class before the model is
+    built: the plan takes only transformers' own class, so the plugin leaves those norms to Liger,
+    and the report says the op is off."""
+    from axolotl_fastqwen import patch_model, unpatch_model
+    from test_patching import model_for
+
+    plan = registry.family("qwen3_5").resolve()
+    (stock,) = plan.rms_norm
+    foreign = type("LigerLikeRMSNorm", (stock,), {"__module__": "liger_kernel.transformers.rms_norm"})
+    monkeypatch.setattr(plan.module, stock.__name__, foreign)
+    assert registry.family("qwen3_5").resolve().rms_norm == ()
+    model = model_for("qwen3_5")  # built after the swap: its norms are the foreign class
+    assert type(model.model.layers[0].input_layernorm) is foreign
+    report = patch_model(model, log=False)
+    try:
+        assert report.rms_norms == 0 and report.backends()["rms_norm"].startswith("off")
+        assert not any("forward" in vars(layer.input_layernorm) for layer in model.model.layers)
+    finally:
+        unpatch_model(model)
+
+
+def test_a_norm_whose_forward_another_integration_bound_is_not_patched():
+    """Liger's `apply_liger_kernel_to_qwen3_5(model=...)` binds LigerRMSNorm.forward to the existing
+    norm instances: those keep it; the others are the plugin's."""
+    import types as _types
+
+    from axolotl_fastqwen import patch_model, unpatch_model
+    from test_patching import model_for
+
+    def theirs(self, x):
+        return x
+
+    model = model_for("qwen3_5")
+    bound = model.model.layers[0].input_layernorm
+    bound.forward = _types.MethodType(theirs, bound)
+    report = patch_model(model, log=False)
+    try:
+        assert report.rms_norms == 4 * 2 + 2 + 1 - 1
+        assert bound.forward.__func__ is theirs
+        assert type(vars(model.model.layers[0].post_attention_layernorm)["forward"]).__name__ == "PatchedForward"
+    finally:
+        unpatch_model(model)
+    assert bound.forward.__func__ is theirs and "forward" not in vars(model.model.layers[0].post_attention_layernorm)
 
 
 def test_varlen_attention_is_block_diagonal_causal_attention():

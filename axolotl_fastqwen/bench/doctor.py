@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         key_heads=config.linear_num_key_heads, value_heads=config.linear_num_value_heads,
         key_dim=config.linear_key_head_dim, value_dim=config.linear_value_head_dim,
         conv_width=config.linear_conv_kernel_dim, q_heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype,
+        kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype, hidden=config.hidden_size,
     )
     kernels = select_kernels(device, "auto")
     if device.type == "cuda":

@@ -67,6 +67,7 @@ class Family:
     expert_parameters: tuple[str, ...] = ()  # peft target_parameters for LoRA on the routed experts
     mrope: bool = True  # interleaved multimodal RoPE sections in the text rotary (Qwen3.5)
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # each decoder layer's RMSNorms
+    rms_norm: str | None = None  # the zero-centred RMSNorm class (decoder, q/k and final norms), run by the rms_norm op
     shapes: tuple[PublishedShape, ...] = ()  # released model sizes (bench/shapes.py)
     toy: tuple[tuple[str, object], ...] = ()  # config fields the toy-size model of this family adds
 
@@ -90,9 +91,11 @@ class Family:
         def classes(*names):
             return tuple(getattr(module, n) for n in names if n and hasattr(module, n))
 
+        # only transformers' own class: `liger_rms_norm` replaces the module's name with Liger's class
+        norms = tuple(c for c in classes(self.rms_norm) if c.__module__ == module.__name__)
         return FamilyPlan(
             family=self, module=module, gated_deltanet=classes(self.gated_deltanet), attention=classes(self.attention),
-            decoder=classes(self.decoder), causal_lm=classes(*self.causal_lms),
+            decoder=classes(self.decoder), causal_lm=classes(*self.causal_lms), rms_norm=norms,
         )
 
 
@@ -106,6 +109,7 @@ class FamilyPlan:
     attention: tuple[type, ...]
     decoder: tuple[type, ...]
     causal_lm: tuple[type, ...]
+    rms_norm: tuple[type, ...] = ()
 
     @property
     def name(self) -> str:

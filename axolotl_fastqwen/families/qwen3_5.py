@@ -38,6 +38,7 @@ FAMILY = Family(
     causal_lm="Qwen3_5ForCausalLM",
     gated_deltanet="Qwen3_5GatedDeltaNet",
     attention="Qwen3_5Attention",
+    rms_norm="Qwen3_5RMSNorm",
     decoder="Qwen3_5TextModel",
     project_gated_deltanet=project_split,
     lora_targets=LORA_TARGETS,

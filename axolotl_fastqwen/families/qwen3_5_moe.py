@@ -15,6 +15,7 @@ FAMILY = Family(
     causal_lm="Qwen3_5MoeForCausalLM",
     gated_deltanet="Qwen3_5MoeGatedDeltaNet",
     attention="Qwen3_5MoeAttention",
+    rms_norm="Qwen3_5MoeRMSNorm",
     decoder="Qwen3_5MoeTextModel",
     project_gated_deltanet=project_split,
     lora_targets=LORA_TARGETS,

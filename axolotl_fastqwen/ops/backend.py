@@ -48,6 +48,7 @@ class CheckShapes:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    hidden: int = 1024  # the residual stream's width (the RMSNorm check); callers pass the model's
 
 
 # inputs: (tensors, keyword arguments) for `tokens` packed tokens; bind: fn -> a function of the tensors alone
