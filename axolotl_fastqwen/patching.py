@@ -94,7 +94,8 @@ class PatchReport:
         if not self.attention_layers:
             names.pop("varlen_attention", None)
         if not self.rms_norms:
-            names["rms_norm"] = "off (the decoder's norms are not transformers' own, e.g. liger_rms_norm's)"
+            names["rms_norm"] = ("off (no RMSNorm of the family's own class in the decoder: another integration's, "
+                                 "e.g. liger_rms_norm's, run)")
         return names
 
     def to_dict(self) -> dict:

@@ -75,6 +75,11 @@ PATHS: dict[str, PathSpec] = {
             "recomputed; needs --gc)",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+torch-norms", "packed",
+            "fastqwen+ckpt-auto with its RMSNorms on transformers' own math (fastqwen_kernel_preference: "
+            "{rms_norm: torch}): what the rms_norm op's Liger kernel changes",
+        ),
+        PathSpec(
             "axolotl-best+fastqwen+ckpt-auto", "packed",
             "axolotl-best+fastqwen with fastqwen_checkpointing: auto (needs --gc)",
         ),
@@ -109,11 +114,13 @@ LETTERS = {
     "j": "fastqwen-lora-kernels", "k": "axolotl-best+fastqwen", "l": "axolotl-best+fastqwen+ckpt-auto",
     "m": "fastqwen+ckpt-auto", "n": "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "o": "axolotl-best+fastqwen+ckpt-auto+lean", "p": "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
+    "q": "fastqwen+ckpt-auto+torch-norms",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
-    "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "axolotl-packing", "axolotl-best", "axolotl-best-cce",
+    "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms", "axolotl-packing",
+    "axolotl-best", "axolotl-best-cce",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
 )
@@ -121,12 +128,14 @@ EXECUTION_ORDER = (
 REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
 EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm"}
 # path -> the path it repeats with fastqwen_checkpointing: auto (the bench's loop drives the fitter)
-CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
+CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torch-norms": "fastqwen",
+                      "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+lean": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": "axolotl-best+fastqwen"}
 # path -> the plugin's kernel preference (patch_model(prefer=...)); the path is skipped when it does not take
 KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_rule": "flash-qla"},
+                     "fastqwen+ckpt-auto+torch-norms": {"rms_norm": "torch"},
                      "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": {"gated_delta_rule": "flash-qla"}}
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean")
@@ -225,7 +234,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
-            with _plugin(model, device, info):
+            with _plugin(model, device, info, prefer):
                 yield info
         finally:
             undo.restore()
