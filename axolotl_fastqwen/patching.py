@@ -279,9 +279,13 @@ class PatchedForward:
         return PatchedForward(self.function, copy.deepcopy(self.module, memo), self.__signature__)
 
 
+def _forward_attr(module: nn.Module) -> str:
+    """Where the module's real forward is: accelerate's dispatch hooks keep it in `_old_forward`."""
+    return "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+
+
 def _install(module: nn.Module, forward, plan: FamilyPlan, kernels: KernelSet, context: ForwardContext) -> None:
-    # accelerate's dispatch hooks keep the real forward in `_old_forward`: patch beneath them
-    attr = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+    attr = _forward_attr(module)  # beneath accelerate's hooks
     original = getattr(module, attr)
     module.__dict__["_fastqwen"] = LayerPatch(plan, kernels, original, context)
     module.__dict__["_fastqwen_attr"] = attr
@@ -292,8 +296,7 @@ def _install(module: nn.Module, forward, plan: FamilyPlan, kernels: KernelSet, c
 def _forward_replaced(module: nn.Module) -> bool:
     """Another integration bound its own forward to this instance (Liger's `_patch_rms_norm_module`
     does, given a model): leave the module to it. accelerate's hook keeps the class forward beneath."""
-    attr = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
-    forward = module.__dict__.get(attr)
+    forward = module.__dict__.get(_forward_attr(module))
     return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
 
 

@@ -15,7 +15,9 @@ import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.lean_activations import INPUT_NOT_SAVED, LeanActivationsError
-from test_patching import FAMILIES, LORA_TARGETS, grads, model_for, packed_batch, sequences
+from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
+    FAMILIES, LORA_TARGETS, TOL, alone_loss_and_grads, assert_grads_close, grads, model_for, packed_batch, sequences,
+)
 
 
 def lora_model(family, gc=True):
@@ -103,12 +105,17 @@ def step(model, batch, lean, *, keep_last=None):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lean_activations_change_no_bit_and_hold_no_norm_output(family):
-    """Two of four layers kept (one Gated DeltaNet, the attention layer), two recomputed."""
+    """Two of four layers kept (one Gated DeltaNet, the attention layer), two recomputed; the
+    independent reference is stock transformers on each sequence alone (test_patching's tolerance)."""
     model = lora_model(family)
-    batch = packed_batch(sequences(model.config.vocab_size))
+    seqs = sequences(model.config.vocab_size)
+    batch = packed_batch(seqs)
+    alone_loss, alone = alone_loss_and_grads(model, seqs, family)
     loss, ref, held_before, off = step(model, batch, lean=False, keep_last=2)
     lean_loss, ours, held_after, report = step(model, batch, lean=True, keep_last=2)
 
+    assert abs(float(lean_loss) - alone_loss) <= TOL * alone_loss
+    assert_grads_close(ours, alone)
     assert off is None
     assert torch.equal(lean_loss, loss)
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref), \
