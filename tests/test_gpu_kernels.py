@@ -22,6 +22,7 @@ from axolotl_fastqwen.boundaries import Boundaries
 from axolotl_fastqwen.kernels import CheckShapes, bind, check_inputs, compare, reference_backend
 from axolotl_fastqwen.ops import availability
 from axolotl_fastqwen.ops.linear_cross_entropy import liger_linear_cross_entropy, linear_cross_entropy
+from axolotl_fastqwen import registry
 from axolotl_fastqwen.registry import kernel_backends
 
 pytestmark = pytest.mark.gpu
@@ -239,8 +240,7 @@ def test_axolotl_fused_lora_projections_run_inside_the_patched_layers(gpu_record
 
     lora_kernels, stood_in = import_axolotl_patch("axolotl.monkeypatch.lora_kernels")
     model = _model_27b_slice().to(torch.bfloat16)
-    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-               "down_proj"]
+    targets = list(registry.family("qwen3_5").lora_targets)  # every linear layer, linear_attn's included
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets,
                                              init_lora_weights=False))
     ids, batch = _packed_batch()
@@ -451,8 +451,7 @@ def test_lean_activations_on_the_27b_slice(norms, gpu_record):
     from peft import LoraConfig, get_peft_model
 
     model = _model_27b_slice().to(torch.bfloat16)
-    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-               "down_proj"]
+    targets = list(registry.family("qwen3_5").lora_targets)  # every linear layer, linear_attn's included
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, init_lora_weights=False))
     if norms == "liger-modules" and not _liger_norms(model):
         pytest.skip("liger-kernel is not installed")
