@@ -15,6 +15,30 @@ from .checkpointing import DEFAULT_CHECKPOINTING_MEMORY
 from .packing.planner import TOKEN_BUDGET_MULTIPLE as TOKEN_MULTIPLE  # one place: the packer's grid
 
 
+LEAN_ACTIVATIONS_CLASHES = ("fsdp", "fsdp_config", "deepspeed", "torch_compile")
+LEAN_ACTIVATIONS_CLASH_WHY = ("sharded weights are freed after the forward, before its recompute reads them, and a "
+                              "compiled forward does not run its hooks")
+
+
+def lean_activations_clashes(cfg: Any) -> list[str]:
+    """The keys set in `cfg` under which `fastqwen_lean_activations` cannot run."""
+    return [key for key in LEAN_ACTIVATIONS_CLASHES if cfg.get(key) not in (None, False, "", {}, [])]
+
+
+def lean_activations_setting(cfg: Any) -> tuple[bool, str | None]:
+    """Whether lean activations run, and the reason when the default turned them off."""
+    value = cfg.get("fastqwen_lean_activations")
+    if value is not None:
+        return bool(value), None
+    clashes = lean_activations_clashes(cfg)
+    if clashes:
+        return False, f"lean activations off (default): {', '.join(clashes)} set, and {LEAN_ACTIVATIONS_CLASH_WHY}"
+    if cfg.get("gradient_checkpointing") and cfg.get("fastqwen_checkpointing") != "auto":
+        return False, ("lean activations off (default): gradient_checkpointing recomputes every layer, so none keeps "
+                       "activations to drop; fastqwen_checkpointing: auto keeps some and turns them on")
+    return True, None
+
+
 class FastQwenArgs(BaseModel):
     fastqwen_packing: bool = Field(
         default=True,
@@ -71,13 +95,14 @@ class FastQwenArgs(BaseModel):
         },
     )
 
-    fastqwen_lean_activations: bool = Field(
-        default=False,
+    fastqwen_lean_activations: bool | None = Field(
+        default=None,
         json_schema_extra={
             "description": "In decoder layers whose activations are kept (gradient checkpointing off, or the layers "
             "fastqwen_checkpointing: auto keeps), drop the norm and output-gate outputs autograd would hold and "
-            "recompute them in backward: the same gradients bit for bit, about a sixth less memory per kept layer at the 27B shape, "
-            "so auto keeps more layers. Off by default until the GPU shows the recompute pays."
+            "recompute them in backward: the same gradients bit for bit, about a sixth less memory per kept layer at "
+            "the 27B shape, so auto keeps more layers. Default (unset): on unless fsdp, deepspeed or torch_compile "
+            "is set (the load report says which); true insists and refuses those; false turns it off."
         },
     )
 
@@ -149,15 +174,14 @@ class FastQwenArgs(BaseModel):
     @classmethod
     def _lean_activations_needs(cls, data: Any) -> Any:
         """Its recompute reads the norms' weights in backward, and its hooks run in eager mode."""
-        if not isinstance(data, dict) or not data.get("fastqwen_lean_activations"):
+        if not isinstance(data, dict) or data.get("fastqwen_lean_activations") is not True:
             return data
-        clashes = [f"`{key}`" for key in ("fsdp", "fsdp_config", "deepspeed", "torch_compile")
-                   if data.get(key) not in (None, False, "", {}, [])]
+        clashes = lean_activations_clashes(data)
         if clashes:
             raise ValueError(
-                f"fastqwen_lean_activations cannot be used with {', '.join(clashes)}: sharded weights are "
-                "freed after the forward, before its recompute reads them, and a compiled forward does not run "
-                "its hooks. Set `fastqwen_lean_activations: false` or remove those keys.")
+                f"fastqwen_lean_activations cannot be used with {', '.join(f'`{k}`' for k in clashes)}: "
+                f"{LEAN_ACTIVATIONS_CLASH_WHY}. Set `fastqwen_lean_activations: false` (or leave it unset) or remove "
+                "those keys.")
         return data
 
     @model_validator(mode="before")

@@ -20,7 +20,7 @@ from axolotl.integrations.base import BasePlugin
 from transformers import TrainerCallback
 
 from . import coexistence, registry
-from .args import token_budget
+from .args import lean_activations_setting, token_budget
 from .axolotl_compat import BARE_NAME, alias_bare_name
 from .devices import training_device
 from .families.base import UnsupportedModelError
@@ -80,19 +80,22 @@ class FastQwenPlugin(BasePlugin):
         if not self.active:
             return
         fused_ce = bool(cfg.get("fastqwen_fused_ce", True))
+        lean, lean_off_why = lean_activations_setting(cfg)
         self.report = patch_model(
             model,
             backend=cfg.get("fastqwen_kernels") or "auto",
             fused_cross_entropy=fused_ce,
             device=training_device(),
             prefer=cfg.get("fastqwen_kernel_preference") or None,
-            lean_activations=bool(cfg.get("fastqwen_lean_activations")),
+            lean_activations=lean,
             log=False,
         )
         owner = coexistence.loss_owner(cfg)
         if owner:
             self.report.fused_cross_entropy = f"delegated to Axolotl's {owner}"
         self.report.kernels.notes.extend(coexistence.notes(cfg, self.report))
+        if lean_off_why:
+            self.report.kernels.notes.append(lean_off_why)
         if cfg.get("fastqwen_lean_activations") and cfg.get("gradient_checkpointing") \
                 and cfg.get("fastqwen_checkpointing") != "auto":
             self.report.kernels.notes.append(

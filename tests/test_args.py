@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from axolotl_fastqwen.args import FastQwenArgs, token_budget
+from axolotl_fastqwen.args import FastQwenArgs, lean_activations_setting, token_budget
 
 
 @pytest.mark.parametrize(
@@ -39,9 +39,22 @@ def test_bad_values_name_the_key_and_the_fix(data, message):
         assert "set `fastqwen_packing: false`" in str(err.value)
 
 
-def test_lean_activations_are_off_by_default_and_allowed_without_sharding_or_compile():
-    assert FastQwenArgs.model_validate({}).fastqwen_lean_activations is False
+def test_lean_activations_default_on_and_steps_aside_for_sharding_compile_and_full_checkpointing():
+    """Unset, the key turns lean activations on, except where they cannot run (sharding, compile) or
+    have nothing to drop (every layer recomputed), each said in the report; set, it is obeyed (and
+    `true` under sharding or compile fails at load, above)."""
+    assert FastQwenArgs.model_validate({}).fastqwen_lean_activations is None
     FastQwenArgs.model_validate({"fastqwen_lean_activations": True, "torch_compile": False, "fsdp_config": {}})
+    FastQwenArgs.model_validate({"fastqwen_lean_activations": False, "torch_compile": True})  # off: no clash
+    assert lean_activations_setting({}) == (True, None)
+    assert lean_activations_setting({"torch_compile": False, "fsdp_config": {}}) == (True, None)
+    assert lean_activations_setting({"gradient_checkpointing": True, "fastqwen_checkpointing": "auto"}) == (True, None)
+    assert lean_activations_setting({"fastqwen_lean_activations": False}) == (False, None)
+    assert lean_activations_setting({"fastqwen_lean_activations": True, "gradient_checkpointing": True}) == (True, None)
+    on, why = lean_activations_setting({"fsdp_config": {"fsdp_version": 2}, "torch_compile": True})
+    assert not on and why.startswith("lean activations off (default): fsdp_config, torch_compile set"), why
+    on, why = lean_activations_setting({"gradient_checkpointing": True})
+    assert not on and "gradient_checkpointing recomputes every layer" in why, why
 
 
 def test_packing_off_allows_axolotl_packing():

@@ -276,13 +276,14 @@ def test_a_kernel_preference_for_an_unknown_op_fails_at_config_load(tmp_path):
 
 
 def test_lean_activations_train_with_the_losses_of_a_run_without_them(tmp_path):
-    """`fastqwen_lean_activations: true` through Axolotl, no checkpointing (every layer keeps its
-    activations): the same per-step losses, to the printed digit (the gradients are the same bits:
-    test_lean_activations.py), and the report says what was dropped."""
+    """Lean activations through Axolotl, on by default (the key unset), no checkpointing (every layer
+    keeps its activations): the same per-step losses as `fastqwen_lean_activations: false`, to the
+    printed digit (the gradients are the same bits: test_lean_activations.py), and the report says
+    what was dropped."""
     plain, lean = tmp_path / "plain", tmp_path / "lean"
     plain.mkdir(), lean.mkdir()
-    reference = train_losses(train(config(plain)))
-    log = train(config(lean, fastqwen_lean_activations=True))
+    reference = train_losses(train(config(plain, fastqwen_lean_activations=False)))
+    log = train(config(lean))
     losses = train_losses(log)
     assert len(losses) == len(reference) == 3 and losses == reference, (losses, reference)
     dropped = report(lean)["kernels"]["lean_activations"]
