@@ -26,17 +26,19 @@ def lean_activations_clashes(cfg: Any) -> list[str]:
 
 
 def lean_activations_setting(cfg: Any) -> tuple[bool, str | None]:
-    """Whether lean activations run, and the reason when the default turned them off."""
+    """Whether lean activations run, and the report note that says why they do nothing, if so."""
     value = cfg.get("fastqwen_lean_activations")
-    if value is not None:
-        return bool(value), None
     clashes = lean_activations_clashes(cfg)
-    if clashes:
+    if value is None and clashes:
         return False, f"lean activations off (default): {', '.join(clashes)} set, and {LEAN_ACTIVATIONS_CLASH_WHY}"
-    if cfg.get("gradient_checkpointing") and cfg.get("fastqwen_checkpointing") != "auto":
+    every_layer_recomputed = cfg.get("gradient_checkpointing") and cfg.get("fastqwen_checkpointing") != "auto"
+    if value is None and every_layer_recomputed:
         return False, ("lean activations off (default): gradient_checkpointing recomputes every layer, so none keeps "
                        "activations to drop; fastqwen_checkpointing: auto keeps some and turns them on")
-    return True, None
+    if value and every_layer_recomputed:
+        return True, ("fastqwen_lean_activations drops nothing here: gradient_checkpointing recomputes every layer "
+                      "(fastqwen_checkpointing: full); it pays with fastqwen_checkpointing: auto")
+    return value is not False, None
 
 
 class FastQwenArgs(BaseModel):

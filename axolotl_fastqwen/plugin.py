@@ -80,7 +80,7 @@ class FastQwenPlugin(BasePlugin):
         if not self.active:
             return
         fused_ce = bool(cfg.get("fastqwen_fused_ce", True))
-        lean, lean_off_why = lean_activations_setting(cfg)
+        lean, lean_note = lean_activations_setting(cfg)
         self.report = patch_model(
             model,
             backend=cfg.get("fastqwen_kernels") or "auto",
@@ -94,13 +94,8 @@ class FastQwenPlugin(BasePlugin):
         if owner:
             self.report.fused_cross_entropy = f"delegated to Axolotl's {owner}"
         self.report.kernels.notes.extend(coexistence.notes(cfg, self.report))
-        if lean_off_why:
-            self.report.kernels.notes.append(lean_off_why)
-        if cfg.get("fastqwen_lean_activations") and cfg.get("gradient_checkpointing") \
-                and cfg.get("fastqwen_checkpointing") != "auto":
-            self.report.kernels.notes.append(
-                "fastqwen_lean_activations drops nothing here: gradient_checkpointing recomputes every layer "
-                "(fastqwen_checkpointing: full); it pays with fastqwen_checkpointing: auto")
+        if lean_note:
+            self.report.kernels.notes.append(lean_note)
         LOG.info("%s", self.report.format())
 
     # ---- data ------------------------------------------------------------------------------
