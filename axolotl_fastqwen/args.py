@@ -104,7 +104,8 @@ class FastQwenArgs(BaseModel):
             "fastqwen_checkpointing: auto keeps), drop the norm and output-gate outputs autograd would hold and "
             "recompute them in backward: the same gradients bit for bit, about a sixth less memory per kept layer at "
             "the 27B shape, so auto keeps more layers. Default (unset): on unless fsdp, deepspeed or torch_compile "
-            "is set (the load report says which); true insists and refuses those; false turns it off."
+            "is set, or gradient_checkpointing recomputes every layer (the load report says which); true insists "
+            "and refuses fsdp, deepspeed and torch_compile; false turns it off."
         },
     )
 
