@@ -15,11 +15,12 @@ __all__ = ["FastQwenPlugin", "PatchReport", "patch_model", "unpatch_model", "__v
 
 if TYPE_CHECKING:
     from .patching import PatchReport, patch_model, unpatch_model
-    from .plugin import FastQwenPlugin
+    from .integration.plugin import FastQwenPlugin
 
 # Imported when first asked for: torch and transformers for the patcher, Axolotl for the plugin;
 # `python -m axolotl_fastqwen report` needs neither.
-_LAZY = {"PatchReport": "patching", "patch_model": "patching", "unpatch_model": "patching", "FastQwenPlugin": "plugin"}
+_LAZY = {"PatchReport": "patching", "patch_model": "patching", "unpatch_model": "patching",
+         "FastQwenPlugin": "integration.plugin"}
 
 
 def __getattr__(name: str):

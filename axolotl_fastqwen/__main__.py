@@ -10,7 +10,7 @@ COMMANDS = {
     "profile": ("axolotl_fastqwen.bench.profile",
                 "torch.profiler trace of one path: top kernels, GPU idle gaps, launches by issuing op"),
     "doctor": ("axolotl_fastqwen.bench.doctor", "versions, kernel choices and known-bad combinations"),
-    "report": ("axolotl_fastqwen.report_cli", "print a finished Axolotl run's plugin report"),
+    "report": ("axolotl_fastqwen.integration.report_command", "print a finished Axolotl run's plugin report"),
 }
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 REPORT_FILE = "fastqwen_report.json"
 
 
-def format_report(d: dict) -> str:
-    """The load-time table, from `PatchReport.to_dict()` (also as read back from the JSON file)."""
+def format_report(d: dict, checkpointing: dict | None = None) -> str:
+    """The load-time table, from `PatchReport.to_dict()` (also as read back from the JSON file);
+    `checkpointing` (the report's entry, once training ran) says why no layer kept activations."""
     lines = [
         f"axolotl_fastqwen: {d['family']} ({d['model_class']}) on {d['device']}, kernels={d['mode']}: "
         f"{d['layers_patched']['gated_deltanet']} Gated DeltaNet + {d['layers_patched']['attention']} attention "
@@ -42,7 +43,7 @@ def format_report(d: dict) -> str:
                      f"{d['forwards_without_trainable_tokens']}")
     lean = d.get("lean_activations")
     if lean is not None and not lean["lean_layers_last_forward"]:
-        lines.append("  lean activations: on; no layer that keeps its activations has run a training forward yet")
+        lines.append(f"  lean activations: on; {_why_nothing_lean(checkpointing)}")
     elif lean is not None:
         kept = "; kept: " + ", ".join(f"{n} save{'s' if n != 1 else ''} ({why})"
                                       for why, n in lean["saves_kept"].items()) if lean["saves_kept"] else ""
@@ -55,11 +56,40 @@ def format_report(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _why_nothing_lean(checkpointing: dict | None) -> str:
+    """Why lean activations dropped nothing: every layer was recomputed (and why), or no training
+    forward has run yet."""
+    if checkpointing is None:
+        return "no layer that keeps its activations has run a training forward yet"
+    if checkpointing.get("mode") == "auto" and checkpointing.get("phase") == "off":
+        return f"dropped nothing: every layer was recomputed ({checkpointing.get('summary')})"
+    if checkpointing.get("mode") == "auto" and not checkpointing.get("kept_layers"):
+        return "dropped nothing so far: fastqwen_checkpointing: auto had kept no layer yet"
+    if checkpointing.get("mode") == "full":
+        return "dropped nothing: gradient_checkpointing recomputed every layer"
+    return "no training forward of a layer that keeps its activations ran"
+
+
+ROWS = {"multipack": "Axolotl's multipack rows", "flattening": "HF's flattened rows", "padded": "padded batches",
+        "fastqwen": "the plugin's packed rows"}
+
+
+def format_settings(settings: dict) -> list[str]:
+    """What the plugin decided at config load, one line each."""
+    return [f"decided: {line}" for line in settings.get("decisions") or []]
+
+
 def format_packing(packing: dict) -> list[str]:
-    """The packing lines of a report: overlong handling, then one line per planned epoch."""
+    """The packing lines of a report: what was replaced, overlong handling, then one line per
+    planned epoch, against padded batches and against the rows the YAML asked for."""
     if not packing.get("active"):
-        return ["packing: not active (fastqwen_packing: false)"]
+        return [f"packing: the plugin's packer is off; the training rows are "
+                f"{ROWS.get(packing.get('rows'), 'as Axolotl builds them')}"]
     lines = []
+    if packing.get("replaced") in ("multipack", "flattening"):
+        lines.append(f"packing: the plugin's packer runs in place of {ROWS[packing['replaced']]}: same tokens per "
+                     "step, a different step composition (steps per epoch, warm-up and eval/save cadence in steps); "
+                     "per-step loss equal to Axolotl's needs fastqwen_packing: false and a fixed seed")
     for name in ("train", "eval"):
         cut = packing.get(f"overlong_{name}")
         if cut and cut.get("overlong_samples"):
@@ -75,4 +105,10 @@ def format_packing(packing: dict) -> list[str]:
             f"{100 * e['padding_fraction']:.1f}%, {e['reduction_vs_padded_pct']:.1f}% fewer steps than "
             f"{e['padded_batches']:,} padded batches of {e['micro_batch_size']}"
         )
+    multipack = packing.get("multipack")
+    if multipack and packing.get("epochs"):
+        bins = packing["epochs"][0]["bins"]
+        lines.append(f"packing vs multipack, epoch 0: {bins:,} rows of {packing['token_budget']} where Axolotl's "
+                     f"multipack would run {multipack['micro_batches']:,} micro-batches of {multipack['micro_batch_size']}"
+                     f" x {multipack['sequence_len']} ({100 * (1 - bins / multipack['micro_batches']):.1f}% fewer)")
     return lines

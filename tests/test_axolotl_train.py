@@ -6,19 +6,17 @@ the plugin's report (`fastqwen_report.json`, written by its hooks) and the run's
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from axolotl_runs import ROOT, axolotl, train, train_losses
+from axolotl_runs import report as read_report
 
 pytest.importorskip("axolotl")
 pytestmark = [pytest.mark.axolotl, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / ".assets"
 
 
@@ -43,23 +41,8 @@ def config(tmp_path, example="tiny-qwen3_5-cpu.yml", **overrides):
     return path
 
 
-def axolotl(*args, env_extra=None, timeout=600):
-    env = dict(os.environ, AXOLOTL_DO_NOT_TRACK="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "axolotl.cli.main", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def train(path, **kw):
-    run = axolotl("train", str(path), "--launcher", "python", **kw)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    return run.stdout + run.stderr
-
-
 def report(tmp_path):
-    return json.loads((tmp_path / "out" / "fastqwen_report.json").read_text())
+    return read_report(tmp_path / "out")
 
 
 def test_class_form_patches_packs_and_reports(tmp_path):
@@ -76,7 +59,7 @@ def test_class_form_patches_packs_and_reports(tmp_path):
     # every training and evaluation batch had the one static shape
     assert kernels["batch_shapes"] == {"train": [[1, 1024]], "eval": [[1, 1024]]}
     assert packing["active"] and packing["row_shape"] == [1, 1024]
-    assert r["checkpointing"] == {"mode": "full"}  # the default: the trainer's checkpointing as configured
+    assert r["checkpointing"] == {"mode": "off"}  # the tiny example trains without gradient checkpointing
     epoch = packing["epochs"][0]
     assert epoch["bins"] < epoch["padded_batches"] and epoch["over_lower_bound_pct"] <= 2.0
     assert "Gated DeltaNet + 1 attention layers patched" in log  # the load-time table is printed
@@ -99,7 +82,7 @@ def test_installed_but_not_named_does_nothing(tmp_path):
     shim = tmp_path / "no_fla"
     (shim / "fla").mkdir(parents=True)
     (shim / "fla" / "__init__.py").write_text("raise ImportError('fla hidden for a CPU stock run')\n")
-    path = config(tmp_path, plugins=None, sample_packing=False)  # keeps fastqwen_token_budget
+    path = config(tmp_path, plugins=None, sample_packing=False, fastqwen_token_budget=1024)
     log = train(path, env_extra={"PYTHONPATH": str(shim)})
     assert not (tmp_path / "out" / "fastqwen_report.json").exists()
     assert "layers patched" not in log and "fastqwen packing" not in log
@@ -107,12 +90,18 @@ def test_installed_but_not_named_does_nothing(tmp_path):
     assert "fastqwen_token_budget are ignored" in log  # and says why the user's key does nothing
 
 
-def test_contradictory_config_fails_at_load_naming_key_and_fix(tmp_path):
-    run = axolotl("preprocess", str(config(tmp_path, sample_packing=True)))
+def test_a_contradiction_is_refused_at_config_load_in_one_paragraph_without_a_traceback(tmp_path):
+    """`fastqwen_packing: true` insists on the packer, `streaming: true` makes it impossible: the two
+    explicit choices contradict each other. The user sees the key, why and the YAML to paste, as the
+    whole error, before any dataset or model work."""
+    run = axolotl("preprocess", str(config(tmp_path, fastqwen_packing=True, streaming=True)))
     out = run.stdout + run.stderr
     assert run.returncode != 0
-    assert "`sample_packing: True`" in out and "set `fastqwen_packing: false`" in out
-    assert "Loading model" not in out  # failed at config load, before any model work
+    error = out[out.index("axolotl_fastqwen cannot train this config"):]
+    assert error.splitlines()[0].endswith("`fastqwen_packing: true` with `streaming`"), error
+    assert "needs every sample's length" in error and "    fastqwen_packing: false" in error
+    assert "Traceback" not in out and "input_value" not in out
+    assert "Tokenizing" not in out and "Loading model" not in out
 
 
 def test_checkpointing_auto_runs_and_reports_why_it_recomputes_everything_on_cpu(tmp_path):
@@ -120,25 +109,16 @@ def test_checkpointing_auto_runs_and_reports_why_it_recomputes_everything_on_cpu
     its fitter after the Trainer turned checkpointing on, and the report says what it decided
     (a CPU has no peak-memory counters: every layer recomputed). The GPU fit is in
     test_gpu_kernels.py and the bench's path l."""
-    log = train(config(tmp_path, gradient_checkpointing=True, fastqwen_checkpointing="auto"))
+    path = config(tmp_path, gradient_checkpointing=True, fastqwen_checkpointing="auto")
+    log = train(path)
     ckpt = report(tmp_path)["checkpointing"]
     assert ckpt["mode"] == "auto" and ckpt["phase"] == "off" and ckpt["layers"] == 4, ckpt
     assert "no CUDA device" in ckpt["summary"] and "fastqwen_checkpointing: auto: every layer recomputed" in log
-
-
-def test_checkpointing_auto_without_checkpointing_fails_at_config_load(tmp_path):
-    run = axolotl("preprocess", str(config(tmp_path, gradient_checkpointing=False, fastqwen_checkpointing="auto")))
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
-    assert "fastqwen_checkpointing: auto needs `gradient_checkpointing: true`" in out
-    assert "Loading model" not in out
-
-
-def train_losses(log: str) -> list[float]:
-    """The per-step training losses the Trainer logs (`logging_steps: 1`)."""
-    import re
-
-    return [float(x) for x in re.findall(r"'loss': '?([0-9.]+(?:e-?\d+)?)'?", log)]
+    # after training, the report says why lean activations dropped nothing (not "no forward yet")
+    shown = subprocess.run([sys.executable, "-m", "axolotl_fastqwen", "report", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert ("lean activations: on; dropped nothing: every layer was recomputed (every layer recomputed (no CUDA "
+            "device") in shown.stdout, shown.stdout
 
 
 def test_liger_plugin_beside_ours_runs_and_the_report_names_the_loss(tmp_path):
@@ -194,7 +174,8 @@ def test_a_misspelt_plugin_key_fails_at_config_load(tmp_path):
     run = axolotl("preprocess", str(config(tmp_path, fastqwen_pakcing=False)))
     out = run.stdout + run.stderr
     assert run.returncode != 0
-    assert "unknown axolotl_fastqwen option `fastqwen_pakcing` (did you mean `fastqwen_packing`?)" in out
+    assert ("axolotl_fastqwen cannot train this config: unknown option `fastqwen_pakcing` (did you mean "
+            "`fastqwen_packing`?)") in out and "Traceback" not in out
     assert "Tokenizing" not in out and "Loading model" not in out
 
 

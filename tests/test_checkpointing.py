@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from axolotl_fastqwen import patch_model, unpatch_model
-from axolotl_fastqwen.args import FastQwenArgs
 from axolotl_fastqwen.checkpointing import FIT_STEPS, GIB, CheckpointFitter, decoder_layers
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     LORA_TARGETS, TENSOR_TOL, alone_loss_and_grads, grads, model_for, packed_batch, rel, sequences,
@@ -249,24 +247,3 @@ def test_fitter_does_nothing_without_gradient_checkpointing_or_without_counters(
     fitter = CheckpointFitter(model, None)  # a CPU: no peak-memory counters
     run_steps(fitter, 5, model, batch)
     assert fitter.phase == "off" and "no CUDA device" in fitter.off_reason and all(flags(decoder_layers(model)[0]))
-
-
-@pytest.mark.parametrize(("extra", "needs"), [
-    ({"gradient_checkpointing": False}, "gradient_checkpointing: true"),
-    ({"gradient_checkpointing": True, "torch_compile": True}, "torch_compile"),
-    ({"gradient_checkpointing": True, "activation_offloading": True}, "activation_offloading"),
-    ({"gradient_checkpointing": True, "fastqwen_packing": False}, "fastqwen_packing: true"),
-])
-def test_auto_refuses_settings_it_cannot_size_naming_the_fix(extra, needs):
-    with pytest.raises(ValidationError, match="fastqwen_checkpointing: auto needs") as err:
-        FastQwenArgs.model_validate({"fastqwen_checkpointing": "auto", **extra})
-    assert needs in str(err.value) and "fastqwen_checkpointing: full" in str(err.value)
-
-
-def test_auto_config_is_accepted_with_checkpointing_and_the_fraction_is_bounded():
-    args = FastQwenArgs.model_validate({"fastqwen_checkpointing": "auto", "gradient_checkpointing": True,
-                                        "fastqwen_checkpointing_memory": 0.7})
-    assert args.fastqwen_checkpointing == "auto" and args.fastqwen_checkpointing_memory == 0.7
-    with pytest.raises(ValidationError):
-        FastQwenArgs.model_validate({"fastqwen_checkpointing_memory": 1.2})
-    assert FastQwenArgs().fastqwen_checkpointing == "full"  # the default changes nothing

@@ -19,9 +19,14 @@ MANY = settings(max_examples=800, deadline=None, suppress_health_check=[HealthCh
 
 @st.composite
 def length_lists(draw, budget: int, overlong: bool = False) -> list[int]:
-    """Adversarial shapes: random, all equal, all near the budget, one huge, mostly empty, tiny."""
+    """Adversarial shapes: random, all equal, all near the budget, one huge, mostly empty, tiny; with
+    `overlong`, also the lengths at each side of a multiple of the budget (where an off-by-one lives)."""
     top = 3 * budget if overlong else budget
-    kind = draw(st.sampled_from(["random", "equal", "near_budget", "single_huge", "mostly_empty", "tiny"]))
+    kinds = ["random", "equal", "near_budget", "single_huge", "mostly_empty", "tiny"] + (["edges"] if overlong else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "edges":
+        edges = [k * budget + d for k in (1, 2) for d in (-1, 0, 1)]
+        return draw(st.lists(st.sampled_from(edges), min_size=1, max_size=30))
     if kind == "random":
         return draw(st.lists(st.integers(0, top), max_size=200))
     if kind == "equal":
@@ -172,6 +177,24 @@ def test_budget_must_be_positive_multiple_of_64(bad):
         plan_bins([1, 2], bad)
     msg = str(err.value)
     assert repr(bad) in msg and "multiple of 64" in msg and "fastqwen_token_budget" in msg
+
+
+@pytest.mark.parametrize("budget", [64, 128])
+@pytest.mark.parametrize("mode", ["truncate", "split"])
+def test_the_overlong_boundary_budget_is_whole_budget_plus_one_is_cut(mode, budget):
+    """Exactly `budget` tokens fits (a whole sample, its plain index); `budget + 1` is overlong:
+    truncate keeps its first `budget` tokens, split makes `budget` and 1. No row holds more than the
+    budget. (Pinned: a cut at `> budget + 1` passed the property test, which seldom drew budget + 1.)"""
+    plan = plan_epoch([budget, budget + 1, budget - 1], budget, overlong=mode)
+    items = [item for b in plan.bins for item in b]
+    assert 0 in items and 2 in items  # budget and budget - 1: whole
+    pieces = sorted((p.index, p.start, p.stop) for p in items if isinstance(p, Piece))
+    assert pieces == ([(1, 0, budget)] if mode == "truncate" else [(1, 0, budget), (1, budget, budget + 1)])
+    assert plan.overlong == 1 and int(plan.bin_tokens.max()) <= budget
+    assert plan.real_tokens == (3 * budget - 1 if mode == "truncate" else 3 * budget)
+    with pytest.raises(ValueError, match=f"1 sample is longer than the token budget of {budget} tokens"):
+        plan_epoch([budget, budget + 1], budget, overlong="error")
+    assert plan_epoch([budget], budget).overlong == 0
 
 
 def test_truncate_and_split_pieces():

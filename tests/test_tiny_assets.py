@@ -3,6 +3,7 @@ architectures, the tokenizer with its chat template, the skewed datasets, the as
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -348,12 +349,38 @@ def test_sampled_lengths_match_the_lognormal():
 def test_write_assets_layout_and_manifest(assets):
     out, paths = assets
     assert set(paths) == {
-        "tokenizer", *ta.FAMILIES, ta.VL_FAMILY, "chat", "completion", "manifest",
+        "tokenizer", *ta.FAMILIES, *ta.VL_FAMILIES, "chat", "completion", "finetome", "manifest",
     }
+    assert {"qwen3_5_vl", "qwen3_5_moe_vl"} <= set(ta.VL_FAMILIES)
     manifest = json.loads(paths["manifest"].read_text())
     assert manifest["seed"] == ta.DEFAULT_SEED
     assert manifest["versions"]["transformers"] == __import__("transformers").__version__
-    for family in ta.FAMILIES + (ta.VL_FAMILY,):
+    # the chat rows again in FineTome's layout (what Axolotl's Qwen3.5 examples read)
+    chat = [json.loads(line) for line in paths["chat"].read_text().splitlines()]
+    finetome = [json.loads(line) for line in paths["finetome"].read_text().splitlines()]
+    assert [[(t["from"], t["value"]) for t in row["conversations"]] for row in finetome] == [
+        [({"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), m["content"]) for m in row["messages"]]
+        for row in chat]
+    for family in ta.VL_FAMILIES:  # a vision-language checkpoint ships its processor
+        processor = json.loads((paths[family] / "processor_config.json").read_text())
+        assert processor["processor_class"] == "Qwen3VLProcessor"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                    reason="loading Qwen3VLProcessor needs torchvision (the dev extra; not in the no-Axolotl cells)")
+def test_the_vision_language_checkpoints_processor_loads(assets):
+    from transformers import AutoProcessor
+
+    _, paths = assets
+    for family in ta.VL_FAMILIES:
+        processor = AutoProcessor.from_pretrained(paths[family])
+        assert type(processor).__name__ == "Qwen3VLProcessor"
+        assert processor.image_processor.patch_size == 8 and processor.image_processor.merge_size == 2
+
+
+def test_write_assets_checkpoints(assets):
+    _, paths = assets
+    for family in ta.ASSET_MODELS:
         files = {p.name for p in paths[family].iterdir()}
         assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
         assert "chat_template" in files or "chat_template.jinja" in files or json.loads(

@@ -442,6 +442,49 @@ def write_dataset(
     return path
 
 
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def write_sharegpt(chat_path: Path, path: Path) -> Path:
+    """The chat rows again in the layout of `mlabonne/FineTome-100k`, which Axolotl's Qwen3.5
+    examples train on (`conversations` of `from` / `value`, roles `system` / `human` / `gpt`), so
+    their dataset blocks run unchanged on a local file."""
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    with open(chat_path, encoding="utf-8") as rows, open(tmp, "w", encoding="utf-8") as f:
+        for line in rows:
+            messages = json.loads(line)["messages"]
+            turns = [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in messages]
+            f.write(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_processor(out: Path, config) -> Path:
+    """`processor_config.json` of a vision-language checkpoint: Axolotl loads a processor for every
+    multimodal model type (`qwen3_5`, `qwen3_5_moe`), even for text-only data. What
+    `Qwen3VLProcessor.save_pretrained` writes, sized to the tiny vision tower (8x8 patches, 2x2
+    merge: a 16x16 image is one image token; images are resized to 1-64 such tokens). Written as
+    data, so no image backend is needed to write it (loading it needs torchvision)."""
+    v = config.vision_config
+    common = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+              "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "merge_size": v.spatial_merge_size,
+              "patch_size": v.patch_size, "resample": 3, "rescale_factor": 1 / 255,
+              "temporal_patch_size": v.temporal_patch_size}
+    unit = (v.patch_size * v.spatial_merge_size) ** 2  # pixels per image token
+    processor = {
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor": {**common, "image_processor_type": "Qwen2VLImageProcessor",
+                            "size": {"shortest_edge": unit, "longest_edge": 64 * unit}},
+        "video_processor": {**common, "video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True,
+                            "fps": 2, "min_frames": 2, "max_frames": 8, "max_video_tokens": 64,
+                            "return_metadata": False,
+                            "size": {"shortest_edge": unit, "longest_edge": 64 * unit * 2}},
+    }
+    path = out / "processor_config.json"
+    path.write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # All assets
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +505,9 @@ def _versions() -> dict[str, str]:
     return out
 
 
-ASSET_MODELS = FAMILIES + (VL_FAMILY,)  # the checkpoints write_assets writes by default
+# the checkpoints write_assets writes by default: every family, and each vision-language checkpoint
+# (the published Qwen3.5 checkpoints are of that kind, and Axolotl's examples load them as such)
+ASSET_MODELS = FAMILIES + tuple(VL_FAMILIES)
 
 
 def expected_manifest(
@@ -499,6 +544,7 @@ def asset_paths(
         paths[family] = out / family
     paths["chat"] = out / "data" / "chat.jsonl"
     paths["completion"] = out / "data" / "completion.jsonl"
+    paths["finetome"] = out / "data" / "finetome.jsonl"
     paths["manifest"] = out / "MANIFEST.json"
     return paths
 
@@ -540,7 +586,7 @@ def write_assets(
 
     Skips all work when MANIFEST matches this code, seed, families and library versions
     (unless ``force``); concurrent callers are serialised by a lock file. Returns the paths by
-    name: tokenizer, qwen3_5, qwen3_5_moe, qwen3_next, qwen3_5_vl, chat, completion, manifest.
+    name: tokenizer, one per checkpoint (`ASSET_MODELS`), chat, completion, finetome, manifest.
     """
     families = tuple(families)
     for family in families:
@@ -564,6 +610,8 @@ def write_assets(
             model.generation_config.eos_token_id = EOS_TOKEN_ID
             model.save_pretrained(paths[family])
             tokenizer.save_pretrained(paths[family])
+            if family in VL_FAMILIES:
+                write_processor(paths[family], model.config)
         write_dataset(paths["chat"], CHAT_ROWS, kind="chat", seed=seed, tokenizer=tokenizer)
         write_dataset(
             paths["completion"],
@@ -573,6 +621,7 @@ def write_assets(
             median_tokens=COMPLETION_MEDIAN_TOKENS,
             tokenizer=tokenizer,
         )
+        write_sharegpt(paths["chat"], paths["finetome"])
         record = dict(manifest, created_unix=int(time.time()))
         record["seconds"] = round(time.perf_counter() - started, 2)
         tmp = paths["manifest"].with_suffix(".json.tmp")

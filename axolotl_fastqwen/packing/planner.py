@@ -164,7 +164,7 @@ def pieces(lengths: np.ndarray, token_budget: int, overlong: str):
     """Packable items: (sample index, start, stop, is_piece), each at most `token_budget` long.
 
     The one definition of `fastqwen_overlong`: the planner packs these items, and the Axolotl
-    adapter materialises them as dataset rows (packing/axolotl.py). Empty samples are left out."""
+    adapter materialises them as dataset rows (integration/trainer_packing.py). Empty samples are left out."""
     nonempty = np.flatnonzero(lengths > 0)
     lens = lengths[nonempty]
     over = lens > token_budget

@@ -54,7 +54,6 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-ROLE_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}  # FineTome / ShareGPT roles
 
 
 def text_config(layers: int, tiny: bool, vocab_size: int):
@@ -141,23 +140,6 @@ def write_checkpoint(out: Path, config, device: str, seed: int, dtype_name: str)
             "save_s": round(save_s, 2)}
 
 
-def write_processor(out: Path, tokenizer, config) -> None:
-    """The processor files a Qwen3.5 checkpoint ships (Axolotl loads a processor for every
-    model_type it maps as multimodal, qwen3_5 included, even for text-only data)."""
-    import transformers
-
-    v = config.vision_config
-    common = dict(patch_size=v.patch_size, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
-                  image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    processor = transformers.Qwen3VLProcessor(
-        image_processor=transformers.Qwen2VLImageProcessor(**common),
-        video_processor=transformers.Qwen3VLVideoProcessor(**common),
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
-    )
-    processor.save_pretrained(out)
-
-
 def _template_length(tokenizer, template: str | None):
     def length(messages: list[dict]) -> int:
         kwargs = {"chat_template": template} if template else {}
@@ -204,7 +186,7 @@ def write_chat_data(path: Path, tokenizer, *, steps: int, budget: int, median: i
                 continue
             n, messages = best
             lengths.append(n)
-            row = {"conversations": [{"from": ROLE_NAMES[m["role"]], "value": m["content"]} for m in messages]}
+            row = {"conversations": [{"from": ta.SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in messages]}
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     s = sorted(lengths)
@@ -267,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = vl_config(args.layers, args.tiny, args.vocab_size, args.vision_depth)
     tokenizer = ta.build_tokenizer(ckpt, seed=args.seed)
-    write_processor(ckpt, tokenizer, config)
+    ta.write_processor(ckpt, config)
     tok_s = time.perf_counter() - t0
     model_info = write_checkpoint(ckpt, config, device, args.seed, args.dtype)
     t1 = time.perf_counter()

@@ -15,6 +15,17 @@ Runs (--run):
   ``sample_packing: false`` (the plugin's packer replaces multipack; everything else identical).
 * ``qlora``: ``examples/qwen3_5-27b-qlora.yml`` as it is (plugin on, 4-bit NF4, adamw_bnb_8bit).
 * ``fft``: ``examples/qwen3_5-27b-fft.yml`` on one GPU: its ``fsdp_config`` (8-GPU FSDP2) removed.
+* ``example`` (issue 32): Axolotl's own ``examples/qwen3.5/27b-qlora.yaml`` (the copy in
+  ``tests/axolotl_examples/``: its LoRA targets q/k/v/o/up/down, ``sample_packing: true``,
+  gradient checkpointing with ``use_reentrant: false``, ``bf16: auto``), made runnable on the
+  image and as fast as Axolotl goes: LoRA in bf16 (not 4-bit), Axolotl's speed options as for
+  ``axolotl`` (its LoRA kernels, ``fused_attn_kernel``, Liger's RMSNorm / gated RMSNorm / SwiGLU /
+  fused linear cross-entropy in place of the example's CutCrossEntropyPlugin, whose git-only fork
+  is not on the image), ``adamw_torch_fused`` (the example's torchao 4-bit AdamW is not on the
+  image), sdpa, and fla's Hopper guard lifted as for ``axolotl``.
+* ``example+line``: ``example`` with ``axolotl_fastqwen.FastQwenPlugin`` appended to ``plugins:``
+  and nothing else changed (the plugin then takes ``sample_packing`` over, and chooses
+  ``fastqwen_checkpointing: auto`` by itself).
 * ``*-safe`` (``axolotl-safe``, ``fastqwen-safe``): without ``fused_attn_kernel`` and
   ``liger_rms_norm_gated``, the two newest Qwen3.5-specific switches; the driver retries with
   these when a run dies before its first step.
@@ -53,7 +64,10 @@ EXAMPLES = {
     "fastqwen": "examples/qwen3_5-27b-lora.yml",
     "qlora": "examples/qwen3_5-27b-qlora.yml",
     "fft": "examples/qwen3_5-27b-fft.yml",
+    "example": "tests/axolotl_examples/27b-qlora.yaml",
+    "example+line": "tests/axolotl_examples/27b-qlora.yaml",
 }
+CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 # CPU smoke test only: what needs CUDA (Triton kernels, Liger, bf16 autocast) off.
 CPU_OFF = {
     "bf16": False, "tf32": False, "fp16": False, "lora_mlp_kernel": False, "lora_qkv_kernel": False,
@@ -78,6 +92,13 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
         raise SystemExit(f"unknown run {run!r}; known: {', '.join(list(EXAMPLES) + ['axolotl-safe', 'fastqwen-safe'])}")
     cfg = yaml.safe_load((REPO / EXAMPLES[base]).read_text())
     cfg = copy.deepcopy(cfg)
+    if base in ("example", "example+line"):
+        cfg.pop("load_in_4bit", None)
+        cfg.update(AXOLOTL_FAST, adapter="lora", optimizer="adamw_torch_fused", bf16=True)
+        _plugins(cfg, [LIGER], [CCE])
+        cfg["plugins"] = [FLA_GUARD] + cfg["plugins"]
+        if base == "example+line":
+            cfg["plugins"].append(FASTQWEN)  # the one line, nothing else
     if base in ("axolotl", "fastqwen"):
         cfg.update(AXOLOTL_FAST)
         _plugins(cfg, [LIGER], [FASTQWEN])
@@ -93,7 +114,7 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
             cfg.pop(key, None)
     if base == "fft":
         cfg.pop("fsdp_config", None)  # the example shards over 8 GPUs; this is one
-    if FASTQWEN in cfg.get("plugins", []):
+    if base in ("fastqwen", "qlora", "fft"):
         cfg["fastqwen_token_budget"] = budget
     # local paths and the comparison's shape
     cfg["base_model"] = model

@@ -9,27 +9,21 @@ report says which, per option, so nobody has to guess who computed what.
 
 from __future__ import annotations
 
+from .settings import Settings
+
 LOSS_OPTIONS = ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
 # Liger's Triton kernels that Axolotl's Liger plugin installs for Qwen3.5 (CUDA only).
 LIGER_CUDA_ONLY = ("liger_rms_norm", "liger_rms_norm_gated", "liger_glu_activation", "liger_layer_norm",
                    "liger_rope", "liger_cross_entropy")
 
 
-def loss_owner(cfg) -> str | None:
-    """The Axolotl loss option that computes the loss when the plugin's fused loss is off."""
-    if cfg.get("fastqwen_fused_ce", True) is False:
-        return next((key for key in LOSS_OPTIONS if cfg.get(key)), None)
-    return None
-
-
-def check_device(cfg, device_type: str) -> None:
+def check_device(settings: Settings, device_type: str) -> None:
     """Fail before the model loads when an Axolotl kernel option cannot run on this device."""
     if device_type == "cuda":
         return
-    on = [key for key in LIGER_CUDA_ONLY if cfg.get(key)]
-    owner = loss_owner(cfg)
-    if owner:
-        on.append(owner)
+    on = [key for key in LIGER_CUDA_ONLY if key in settings.axolotl_options]
+    if settings.loss_owner:
+        on.append(settings.loss_owner)
     if on:
         raise ValueError(
             f"{', '.join(f'`{k}: true`' for k in on)} run Triton kernels, which need a CUDA GPU; this run trains "
@@ -38,34 +32,34 @@ def check_device(cfg, device_type: str) -> None:
         )
 
 
-def notes(cfg, report) -> list[str]:
+def notes(settings: Settings, report) -> list[str]:
     """One line per Axolotl option this config turns on, saying what became of it."""
+    on = set(settings.axolotl_options)
     out = []
-    loss_backend = report.backends().get("linear_cross_entropy")
-    owner = loss_owner(cfg)
+    backends = report.backends()
     for key in LOSS_OPTIONS:
-        if not cfg.get(key):
+        if key not in on:
             continue
-        if owner == key:
+        if settings.loss_owner == key:
             out.append(f"{key}: computes the loss (fastqwen_fused_ce: false)")
         else:
-            out.append(f"{key}: superseded: the loss is axolotl_fastqwen's {loss_backend} (same definition; a step "
-                       "with no trainable token gives 0, not NaN); set fastqwen_fused_ce: false to leave it to "
-                       f"{key}")
-    if cfg.get("liger_rms_norm_gated"):
+            out.append(f"{key}: superseded: the loss is axolotl_fastqwen's {backends.get('linear_cross_entropy')} "
+                       "(same definition; a step with no trainable token gives 0, not NaN); set fastqwen_fused_ce: "
+                       f"false to leave it to {key}")
+    if "liger_rms_norm_gated" in on:
         out.append(f"liger_rms_norm_gated: superseded by the patched Gated DeltaNet's "
-                   f"{report.backends().get('gated_rmsnorm')} gated RMSNorm")
-    composed = [key for key in ("liger_rms_norm", "liger_glu_activation", "lora_mlp_kernel") if cfg.get(key)]
+                   f"{backends.get('gated_rmsnorm')} gated RMSNorm")
+    composed = [key for key in ("liger_rms_norm", "liger_glu_activation", "lora_mlp_kernel") if key in on]
     if composed:
         out.append(f"{', '.join(composed)}: composed (they run inside the patched model)")
-    lora_proj = [key for key in ("lora_qkv_kernel", "lora_o_kernel") if cfg.get(key)]
+    lora_proj = [key for key in ("lora_qkv_kernel", "lora_o_kernel") if key in on]
     if lora_proj:
         out.append(f"{', '.join(lora_proj)}: composed: the patched attention and Gated DeltaNet layers call "
                    "Axolotl's fused LoRA projections")
-    if cfg.get("fused_attn_kernel"):
+    if "fused_attn_kernel" in on:
         out.append("fused_attn_kernel: superseded: the patched attention layers run their own forward "
-                   f"({report.backends().get('varlen_attention')} over the packed boundaries)")
-    if cfg.get("sample_packing"):
+                   f"({backends.get('varlen_attention')} over the packed boundaries)")
+    if settings.rows == "multipack":
         out.append("sample_packing: Axolotl's multipack rows; its Qwen packing patch is superseded (boundaries are "
                    "read once per forward from its attention_mask ids)")
     return out

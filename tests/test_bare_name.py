@@ -1,4 +1,4 @@
-"""Guards for the one place the plugin relies on Axolotl beyond its hooks (axolotl_compat.py).
+"""Guards for the one place the plugin relies on Axolotl beyond its hooks (integration/bare_name.py).
 
 Axolotl has no public way to alias a plugin name; the bare `plugins: [axolotl_fastqwen]` works only
 because (1) Axolotl cannot load that name itself, (2) `PluginManager()` is its singleton whose
@@ -46,7 +46,7 @@ def test_the_bare_plugin_name_resolves_through_axolotls_plugin_table():
     assert line, done.stdout[-2000:] + done.stderr[-4000:]
     out = json.loads(line[len("RESULT "):])
     assert out["bare_name_loads"] is False, (
-        "Axolotl now loads a bare module name itself: drop axolotl_compat.alias_bare_name")
+        "Axolotl now loads a bare module name itself: drop integration.bare_name.alias_bare_name")
     assert out["singleton"], "PluginManager() is no longer Axolotl's singleton: the alias lands in a stray table"
     assert out["table"] == {"axolotl_fastqwen.FastQwenPlugin": "FastQwenPlugin", "axolotl_fastqwen": "BareNameAlias"}
     assert out["active"], "the real plugin did not see itself named by the bare name"

@@ -1,4 +1,5 @@
-"""Wiring the packer into Axolotl's trainer: its collator signature, its samplers, its step count.
+"""Wiring the packer into Axolotl's trainer: its collator signature, its samplers, its step count,
+and the packing summary against the rows the YAML asked for.
 
 Kept apart from the packer itself (which needs neither Axolotl nor transformers) so that
 `axolotl_fastqwen.packing` stays usable with any Trainer.
@@ -14,10 +15,11 @@ import types
 
 import numpy as np
 
-from .collator import PackedCollator, resolve_item
-from .planner import Piece, overlong_message, pieces
-from .sampler import PackedBatchSampler
-from .stats import packing_stats
+from ..packing.collator import PackedCollator, resolve_item
+from ..packing.planner import Piece, overlong_message, pieces
+from ..packing.sampler import PackedBatchSampler
+from ..packing.stats import packing_stats
+from .settings import Settings
 
 LOG = logging.getLogger("axolotl_fastqwen")
 
@@ -122,16 +124,14 @@ def _lengths(dataset) -> np.ndarray:
     return np.asarray(get_dataset_lengths(dataset))
 
 
-def install_packed_sampler(trainer, cfg) -> dict:
-    """Give `trainer` the packed batch samplers (train and eval) and the exact step count.
+def install_packed_sampler(trainer, settings: Settings) -> dict:
+    """Give `trainer` the packed batch samplers (train, and eval unless `settings.pack_eval` is off)
+    and the exact step count.
 
     Returns the packing report (per epoch: samples, tokens, bins, padding, reduction vs padded
-    batches of `micro_batch_size`), which is also logged.
+    batches of `micro_batch_size` and vs the rows the YAML asked for), which is also logged.
     """
-    from ..args import token_budget as budget_of
-
-    budget = budget_of(cfg)
-    mode = cfg.get("fastqwen_overlong") or "error"
+    budget, mode = settings.token_budget, settings.overlong
     seed = trainer.args.data_seed if getattr(trainer.args, "data_seed", None) is not None else trainer.args.seed
     replicas = trainer._data_parallel_size() if hasattr(trainer, "_data_parallel_size") else trainer.args.world_size
 
@@ -155,17 +155,18 @@ def install_packed_sampler(trainer, cfg) -> dict:
         return eval_samplers[key]
 
     trainer._get_train_sampler = types.MethodType(train_sampler_fn, trainer)
-    trainer._get_eval_sampler = types.MethodType(eval_sampler_fn, trainer)
     eval_cut = None
-    if hasattr(trainer.eval_dataset, "column_names"):
-        trainer.eval_dataset, eval_cut = fit_to_budget(
-            trainer.eval_dataset, budget, mode, sample_origin(trainer.eval_dataset, tokenizer))
-        LOG.info("axolotl_fastqwen: evaluation set: %s", describe_cut(eval_cut))
+    if settings.pack_eval:
+        trainer._get_eval_sampler = types.MethodType(eval_sampler_fn, trainer)
+        if hasattr(trainer.eval_dataset, "column_names"):
+            trainer.eval_dataset, eval_cut = fit_to_budget(
+                trainer.eval_dataset, budget, mode, sample_origin(trainer.eval_dataset, tokenizer))
+            LOG.info("axolotl_fastqwen: evaluation set: %s", describe_cut(eval_cut))
     _forward_epochs_on_resume(trainer)
 
-    report = _report(trainer, cfg, train_sampler, budget, replicas)
+    report = _report(trainer, settings, train_sampler, replicas)
     report["overlong_train"], report["overlong_eval"] = train_cut, eval_cut
-    _exact_steps(trainer, cfg, len(train_sampler) // replicas)
+    _exact_steps(trainer, settings, len(train_sampler) // replicas)
     report["optimizer_steps"] = trainer.args.max_steps
     return report
 
@@ -192,28 +193,49 @@ def _forward_epochs_on_resume(trainer) -> None:
     trainer._run_epoch = types.MethodType(_run_epoch, trainer)
 
 
-def _exact_steps(trainer, cfg, batches_per_rank: int) -> None:
+def _exact_steps(trainer, settings: Settings, batches_per_rank: int) -> None:
     """Axolotl sized the run for unpacked batches of micro_batch_size; size it for the packed rows."""
-    if cfg.get("max_steps"):
+    if settings.step_count_fixed:
         return
     accum = max(1, int(trainer.args.gradient_accumulation_steps))
     per_epoch = max(1, math.ceil(batches_per_rank / accum))
     total = math.ceil(per_epoch * float(trainer.args.num_train_epochs))
     trainer.args.max_steps = total
-    if cfg.get("warmup_steps") is None:  # Axolotl's own rule, on the true step count
-        ratio = cfg.get("warmup_ratio")
+    if settings.warmup_steps is None:  # Axolotl's own rule, on the true step count
+        ratio = settings.warmup_ratio
         warmup = max(int(ratio * total), 0) if ratio is not None else min(int(0.03 * total), 100)
         trainer.args.warmup_steps = 2 if warmup == 1 else warmup
     LOG.info("axolotl_fastqwen: %d packed rows per rank per epoch -> max_steps %d", batches_per_rank, total)
 
 
-def _report(trainer, cfg, sampler, budget, replicas) -> dict:
+def multipack_batches(lengths: np.ndarray, settings: Settings, seed: int) -> int | None:
+    """The micro-batches Axolotl's multipack would have run for one epoch on one rank
+    (`micro_batch_size` bins of `sequence_len` each, its default bin size, one process), for the
+    packing summary; None if its sampler cannot be built here."""
+    try:
+        import torch
+        from axolotl.utils.samplers.multipack import MultipackBatchSampler
+
+        base = torch.utils.data.RandomSampler(range(lengths.size), generator=torch.Generator().manual_seed(seed))
+        sampler = MultipackBatchSampler(base, batch_size=settings.micro_batch_size,
+                                        batch_max_len=settings.sequence_len, lengths=lengths, bin_size=200,
+                                        num_processes=1, drop_last=True, seed=seed)
+        return len(sampler.generate_batches())
+    except Exception as exc:  # noqa: BLE001 - a summary line is not worth failing the run for
+        LOG.debug("axolotl_fastqwen: multipack's batch count not computed (%s)", exc)
+        return None
+
+
+def _report(trainer, settings: Settings, sampler, replicas) -> dict:
     lengths = sampler.lengths
     epochs = max(1, math.ceil(float(trainer.args.num_train_epochs or 1)))
-    mbs = int(cfg.get("micro_batch_size") or 1)
+    mbs = settings.micro_batch_size
+    multipack = (multipack_batches(lengths[lengths <= settings.sequence_len], settings, sampler.seed)
+                 if settings.user_rows == "multipack" else None)
     per_epoch = []
     for epoch in range(min(epochs, 8)):
-        stats = packing_stats(lengths, budget, mbs, seed=sampler.seed, epoch=epoch, num_replicas=replicas)
+        stats = packing_stats(lengths, settings.token_budget, mbs, seed=sampler.seed, epoch=epoch,
+                              num_replicas=replicas)
         LOG.info("axolotl_fastqwen: epoch %d: %s", epoch, stats.format())
         per_epoch.append({
             **dataclasses.asdict(stats),
@@ -221,5 +243,13 @@ def _report(trainer, cfg, sampler, budget, replicas) -> dict:
             "reduction_vs_padded_pct": stats.reduction_pct,
             "over_lower_bound_pct": stats.over_lower_bound_pct,
         })
-    return {"active": True, "token_budget": budget, "row_shape": [1, budget], "replicas": replicas,
-            "overlong": cfg.get("fastqwen_overlong") or "error", "epochs": per_epoch}
+    report = {"active": True, "token_budget": settings.token_budget, "row_shape": [1, settings.token_budget],
+              "replicas": replicas, "overlong": settings.overlong, "pack_eval": settings.pack_eval,
+              "replaced": settings.user_rows, "epochs": per_epoch}
+    if multipack is not None:
+        report["multipack"] = {"micro_batches": multipack, "micro_batch_size": mbs,
+                               "sequence_len": settings.sequence_len}
+        LOG.info("axolotl_fastqwen: Axolotl's multipack would have run %d micro-batches of %d x %d tokens in "
+                 "epoch 0; the packer runs %d rows of %d", multipack, mbs, settings.sequence_len,
+                 per_epoch[0]["bins"], settings.token_budget)
+    return report

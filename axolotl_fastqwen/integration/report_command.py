@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .report import REPORT_FILE, format_packing, format_report
+from ..report import REPORT_FILE, format_packing, format_report, format_settings
 
 
 def candidates(target: Path) -> tuple[list[Path], str]:
@@ -49,13 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data = json.loads(path.read_text())
     print(f"{path}:")
+    checkpointing = data.get("checkpointing") or {}
+    for line in format_settings(data.get("settings") or {}):
+        print(line)
     if data.get("kernels"):
-        print(format_report(data["kernels"]))
+        print(format_report(data["kernels"], checkpointing))
         shapes = data["kernels"].get("batch_shapes") or {}
         print(f"  batch shapes seen: train {shapes.get('train')}, eval {shapes.get('eval')}")
     for line in format_packing(data.get("packing") or {}):
         print(line)
-    checkpointing = data.get("checkpointing") or {}
     if checkpointing.get("mode") == "auto":
         print(f"checkpointing (auto): {checkpointing.get('summary', 'not started')}")
     return 0

@@ -1,0 +1,55 @@
+"""The plugin's config keys (`fastqwen_*`): their types, defaults and descriptions, merged into
+Axolotl's schema through `get_input_args`. What a combination of keys means is decided once, in
+`settings.resolve`; a key left unset (None) is the plugin's to decide there.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ..checkpointing import DEFAULT_CHECKPOINTING_MEMORY
+
+
+def _about(text: str) -> dict:
+    return {"description": text}
+
+
+class FastQwenArgs(BaseModel):
+    fastqwen_packing: bool | None = Field(default=None, json_schema_extra=_about(
+        "Replace Axolotl's collator and sampler with the static-shape 1D packer ([1, fastqwen_token_budget] rows, "
+        "exact sequence boundaries). Unset: on, in place of sample_packing / batch_flattening too, except where "
+        "it cannot run (streaming or pretraining data, rl, context parallelism, ...: the rows are then Axolotl's, "
+        "the fused kernels still run); true insists; false leaves the rows to Axolotl."))
+    fastqwen_token_budget: int | None = Field(default=None, json_schema_extra=_about(
+        "Tokens per packed micro-batch row, a positive multiple of 64. Default: sequence_len * micro_batch_size, "
+        "rounded up to a multiple of 64 (the tokens per step of Axolotl's multipack)."))
+    fastqwen_overlong: Literal["error", "truncate", "split"] = Field(default="error", json_schema_extra=_about(
+        "What to do with a sample longer than the token budget."))
+    fastqwen_kernels: Literal["auto", "require", "reference"] = Field(default="auto", json_schema_extra=_about(
+        "auto: fastest self-checked kernels, warn on any PyTorch fallback; require: fail instead of falling back; "
+        "reference: PyTorch reference everywhere (debugging)."))
+    fastqwen_kernel_preference: dict[str, str] | None = Field(default=None, json_schema_extra=_about(
+        "op -> kernel to try first, e.g. {gated_delta_rule: flash-qla} (FlashQLA's TileLang GDN kernels, when "
+        "installed). Still self-checked on the GPU; one that fails or cannot run here gives way to the default, "
+        "and the load report says why."))
+    fastqwen_fused_ce: bool = Field(default=True, json_schema_extra=_about(
+        "Compute the loss without materialising the vocabulary logits."))
+    fastqwen_checkpointing: Literal["full", "auto"] | None = Field(default=None, json_schema_extra=_about(
+        "With gradient_checkpointing: full recomputes every decoder layer (Axolotl's and HF's behaviour); auto "
+        "measures the peak memory of the first steps and keeps the activations of as many layers as fit under "
+        "fastqwen_checkpointing_memory of the GPU, recomputing the rest. Unset: auto where it can run (one CUDA "
+        "device, the plugin's packer, no FSDP / DeepSpeed / torch_compile / activation_offloading), else full; "
+        "the load report says why."))
+    fastqwen_checkpointing_memory: float = Field(default=DEFAULT_CHECKPOINTING_MEMORY, gt=0.0, lt=1.0,
+                                                 json_schema_extra=_about(
+        "fastqwen_checkpointing: auto: the fraction of the GPU's memory a step's peak allocation may reach (the "
+        "rest is left to the allocator's cache and other processes)."))
+    fastqwen_lean_activations: bool | None = Field(default=None, json_schema_extra=_about(
+        "In decoder layers whose activations are kept (gradient checkpointing off, or the layers "
+        "fastqwen_checkpointing: auto keeps), drop the norm and output-gate outputs autograd would hold and "
+        "recompute them in backward: the same gradients bit for bit, about a sixth less memory per kept layer at "
+        "the 27B shape, so auto keeps more layers. Unset: on unless fsdp, deepspeed or torch_compile is set, or "
+        "gradient_checkpointing recomputes every layer (the load report says which); true insists and refuses "
+        "fsdp, deepspeed and torch_compile; false turns it off."))

@@ -1,0 +1,416 @@
+"""The YAML read once: every `fastqwen_*` key and every Axolotl key the plugin acts on, turned into
+one typed `Settings` at config load, before Axolotl validates the config or tokenizes anything.
+
+The user's intent is honoured where the plugin can honour it, and each such decision is written
+down (`Settings.decisions`: the key, what became of it, why) for the log and the report:
+
+* `sample_packing` / `eval_sample_packing` / `batch_flattening` / `group_by_length` mean "pack my
+  data" (or "pad less"): the plugin's packer takes their place at the same tokens per step, and the
+  keys are turned off in the config Axolotl goes on to validate.
+* Where the packer cannot run (streaming or pretraining data, `rl`, reward models, context
+  parallelism, curriculum order, samples tokenized only in the collator), it steps aside by itself:
+  Axolotl's own rows, or padded batches, with the fused kernels still on.
+* `attn_implementation: flash_attention_2/3` without the flash-attn package: the decoder's
+  attention is the plugin's varlen kernel anyway, so the rest of the model runs `sdpa`.
+* `fastqwen_checkpointing: auto` wherever gradient checkpointing is on and `auto` can run (one CUDA
+  device, the packer's static rows, no FSDP / DeepSpeed / `torch_compile` / activation offloading);
+  `full` elsewhere, with the reason. Lean activations likewise.
+
+Only a contradiction between two explicit choices is refused (`fastqwen_packing: true` with
+streaming data, `fastqwen_lean_activations: true` with FSDP, a misspelt key): `ConfigError`, one
+short paragraph with the key, why, and the YAML lines to paste, printed without a traceback by
+`axolotl train`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from ..ops import check_op_names
+from ..packing.planner import TOKEN_BUDGET_MULTIPLE, check_token_budget
+from .keys import FastQwenArgs
+
+# Axolotl's own speed options the plugin composes with, supersedes or leaves to do the job
+# (integration/axolotl_options.py says which); read here so nothing else reads the config.
+AXOLOTL_OPTIONS = ("liger_rms_norm", "liger_rms_norm_gated", "liger_glu_activation", "liger_layer_norm", "liger_rope",
+                   "liger_cross_entropy", "liger_fused_linear_cross_entropy", "cut_cross_entropy", "lora_qkv_kernel",
+                   "lora_o_kernel", "lora_mlp_kernel", "fused_attn_kernel", "use_scattermoe", "use_sonicmoe",
+                   "use_kernels")
+SHARDING_KEYS = ("fsdp", "fsdp_config", "deepspeed")
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+# Keys under which the packer cannot run, and why. Each makes the plugin leave the rows to Axolotl
+# (or to padded batches) unless `fastqwen_packing: true` insists, which is refused.
+PACKER_BLOCKERS = {
+    "pretraining_dataset": "streaming pretraining data: the packer needs every sample's length before the epoch",
+    "streaming": "streaming datasets: the packer needs every sample's length before the epoch",
+    "rl": "preference / RL trainers build their own batches (chosen and rejected together)",
+    "reward_model": "reward-model training pairs its samples",
+    "process_reward_model": "process-reward-model training pairs its samples",
+    "curriculum_sampling": "curriculum sampling keeps the dataset's order; the packer reorders samples into rows",
+    "skip_prepare_dataset": "samples are tokenized in the collator, so their lengths are unknown to the packer",
+}
+# Keys that mean "pack" or "pad less": with the packer on they are turned off, the packer does it.
+PACKER_TAKES_OVER = {
+    "sample_packing": "Axolotl's multipack",
+    "batch_flattening": "HF's flattening collator",
+    "group_by_length": "length-grouped sampling (packed rows leave no padding to save)",
+}
+
+Rows = Literal["fastqwen", "multipack", "flattening", "padded"]
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the machine the config is loaded on can do (the config alone cannot say)."""
+
+    cuda_devices: int
+    processes: int
+    flash_attn: bool
+
+    @classmethod
+    def detect(cls) -> Environment:
+        import torch
+
+        return cls(cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                   processes=int(os.environ.get("WORLD_SIZE") or 1),
+                   flash_attn=importlib.util.find_spec("flash_attn") is not None)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One thing the plugin decided for a key: `key: outcome (why)`."""
+
+    key: str
+    outcome: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.outcome} ({self.why})"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything below the Axolotl glue reads, decided once at config load."""
+
+    # packing
+    rows: Rows  # what makes the training rows
+    pack_eval: bool  # the packer makes the evaluation rows too
+    token_budget: int  # tokens per packed row (and what `sequence_len x micro_batch_size` gives)
+    overlong: str
+    sequence_len: int
+    micro_batch_size: int
+    user_rows: Rows  # what the YAML asked for, for the packing summary's comparison
+    step_count_fixed: bool  # `max_steps` set: the packer does not resize the run
+    warmup_steps: int | None
+    warmup_ratio: float | None
+    # kernels and loss
+    kernels: str
+    kernel_preference: dict[str, str] | None
+    fused_ce: bool
+    loss_owner: str | None  # the Axolotl loss option that computes the loss (fastqwen_fused_ce: false)
+    axolotl_options: tuple[str, ...]  # AXOLOTL_OPTIONS set true
+    # memory
+    checkpointing: Literal["off", "full", "auto"]
+    checkpointing_memory: float
+    lean_activations: bool
+    # where and how it was decided
+    model_source: str | None
+    trust_remote_code: bool
+    revision: str | None
+    output_dir: str | None
+    decisions: tuple[Decision, ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())  # what a default stepped aside for, for the load report
+
+    @property
+    def packer(self) -> bool:
+        return self.rows == "fastqwen"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["decisions"] = [str(d) for d in self.decisions]
+        return out
+
+
+class ConfigError(ValueError):
+    """A config the plugin refuses: one short paragraph (the key, why, the YAML to paste)."""
+
+    def __init__(self, key: str, why: str, paste: list[str] | None = None, instead: str | None = None):
+        self.key, self.why, self.paste, self.instead = key, why, paste or [], instead
+        lines = [f"axolotl_fastqwen cannot train this config: {key}", f"  {why}"]
+        if instead:
+            lines.append(f"  {instead}")
+        if self.paste:
+            lines.append("  Put this in the YAML:")
+            lines += [f"    {line}" for line in self.paste]
+        super().__init__("\n".join(lines))
+
+
+def show_config_errors_without_traceback() -> None:
+    """`axolotl train` prints an uncaught error under a long traceback; ours is the whole message."""
+    previous = sys.excepthook
+    if getattr(previous, "_fastqwen", False):
+        return
+
+    def hook(kind, error, tb):
+        found = error
+        while found is not None and not isinstance(found, ConfigError):
+            found = found.__cause__ or found.__context__
+        if found is None:
+            return previous(kind, error, tb)
+        print(f"\n{found}\n", file=sys.stderr)
+
+    hook._fastqwen = True
+    sys.excepthook = hook
+
+
+def _on(value: Any) -> bool:
+    return value not in (None, False, "", {}, [], 0, "false", "False")
+
+
+def _schema_default(key: str, fallback: Any) -> Any:
+    """Axolotl's own default for a key the YAML leaves out (one place: its schema)."""
+    try:
+        from axolotl.utils.schemas.config import AxolotlInputConfig
+
+        default = AxolotlInputConfig.model_fields[key].default
+        return fallback if default is None else default
+    except (ImportError, KeyError, AttributeError):
+        return fallback
+
+
+def check_plugin_keys(cfg: Mapping) -> FastQwenArgs:
+    """The `fastqwen_*` keys, typed; a misspelt or mistyped one is a `ConfigError`."""
+    known = set(FastQwenArgs.model_fields)
+    ours = {str(k): v for k, v in cfg.items() if str(k).startswith("fastqwen_")}
+    unknown = sorted(k for k in ours if k not in known)
+    if unknown:
+        close = {k: difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.5) for k in unknown}
+        named = ", ".join(f"`{k}`" + (f" (did you mean `{close[k][0]}`?)" if close[k] else "") for k in unknown)
+        raise ConfigError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {named}",
+            "Axolotl would drop an unknown key and its setting would be silently lost. The options are "
+            f"{', '.join(sorted(known))}.",
+            paste=[f"{close[k][0]}: {_yaml(ours[k])}" for k in unknown if close[k]])
+    try:
+        args = FastQwenArgs.model_validate(ours)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "fastqwen_*"
+        raise ConfigError(f"`{key}: {_yaml(ours.get(key))}`", f"{first['msg']}.") from None
+    if args.fastqwen_token_budget is not None:
+        try:
+            check_token_budget(args.fastqwen_token_budget)
+        except ValueError as err:
+            budget = args.fastqwen_token_budget
+            up = max(TOKEN_BUDGET_MULTIPLE, -(-budget // TOKEN_BUDGET_MULTIPLE) * TOKEN_BUDGET_MULTIPLE)
+            raise ConfigError(f"`fastqwen_token_budget: {budget}`", str(err),
+                              paste=[f"fastqwen_token_budget: {up}"]) from None
+    try:
+        check_op_names(args.fastqwen_kernel_preference or {}, "fastqwen_kernel_preference")
+    except ValueError as err:
+        raise ConfigError("`fastqwen_kernel_preference`", f"{err}: a preference for no op would be silently "
+                          "unused.") from None
+    return args
+
+
+def _yaml(value: Any) -> str:
+    return {True: "true", False: "false", None: "null"}.get(value, value) if isinstance(value, (bool, type(None))) \
+        else str(value)
+
+
+def _context_parallel(cfg: Mapping) -> int:
+    cp = cfg.get("context_parallel")
+    size = cp.get("size") if isinstance(cp, Mapping) else None
+    return max(int(cfg.get("context_parallel_size") or 1), int(cfg.get("sequence_parallel_degree") or 1),
+               int(size or 1))
+
+
+def _blockers(cfg: Mapping) -> list[tuple[str, str]]:
+    found = [(key, why) for key, why in PACKER_BLOCKERS.items() if _on(cfg.get(key))]
+    if any(isinstance(d, Mapping) and _on(d.get("streaming")) for d in cfg.get("datasets") or []):
+        found.append(("datasets[].streaming", PACKER_BLOCKERS["streaming"]))
+    if _context_parallel(cfg) > 1:
+        found.append(("context_parallel_size", "context parallelism shards each row across ranks itself"))
+    return found
+
+
+def _user_rows(cfg: Mapping) -> Rows:
+    if _on(cfg.get("sample_packing")):
+        return "multipack"
+    return "flattening" if _on(cfg.get("batch_flattening")) else "padded"
+
+
+def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
+    """The settings of this run, and the edits to make to the config Axolotl goes on to validate.
+
+    Raises `ConfigError` for what contradicts an explicit choice; everything else is decided and
+    written down in `Settings.decisions` / `Settings.notes`.
+    """
+    args = check_plugin_keys(cfg)
+    decisions: list[Decision] = []
+    notes: list[str] = []
+    edits: dict[str, Any] = {}
+    sequence_len = int(cfg.get("sequence_len") or _schema_default("sequence_len", 2048))
+    micro_batch_size = int(cfg.get("micro_batch_size") or _schema_default("micro_batch_size", 1))
+    budget = args.fastqwen_token_budget or -(-sequence_len * micro_batch_size // TOKEN_BUDGET_MULTIPLE) * \
+        TOKEN_BUDGET_MULTIPLE
+    user_rows = _user_rows(cfg)
+
+    # ---- packing --------------------------------------------------------------------------
+    explicit = cfg.get("fastqwen_packing")
+    blockers = _blockers(cfg)
+    if explicit is False:
+        rows: Rows = user_rows
+        pack_eval = False
+        if user_rows == "multipack":
+            notes.append("fastqwen_packing: false: Axolotl's multipack rows, their boundaries read exactly from its "
+                         "attention_mask ids")
+    elif blockers:
+        key, why = blockers[0]
+        if explicit is True:
+            raise ConfigError(
+                f"`fastqwen_packing: true` with `{key}`", f"The plugin's packer cannot run here: {why}.",
+                instead="Either drop `fastqwen_packing: true` (the plugin then leaves the rows to Axolotl, with its "
+                        f"fused kernels still on), or remove `{key}`.",
+                paste=["fastqwen_packing: false"])
+        rows, pack_eval = user_rows, False
+        decisions.append(Decision("fastqwen_packing", f"off, the rows are {_describe_rows(user_rows)}",
+                                  f"`{key}` is set: {why}; the fused kernels still run"))
+    else:
+        rows = "fastqwen"
+        eval_wanted = cfg.get("eval_sample_packing")
+        pack_eval = eval_wanted is not False
+        for key, what in PACKER_TAKES_OVER.items():
+            if _on(cfg.get(key)):
+                edits[key] = False
+                decisions.append(Decision(f"{key}: true", f"{what} replaced by the plugin's packer",
+                                          _takeover_why(budget, sequence_len, micro_batch_size)))
+        if eval_wanted is not None or user_rows == "multipack":
+            edits["eval_sample_packing"] = False  # Axolotl must not build multipack eval rows: the packer's run
+        if eval_wanted is False:
+            decisions.append(Decision("eval_sample_packing: false", "kept: evaluation runs on Axolotl's padded "
+                                      "batches", "the packer packs the training rows only"))
+        elif _on(eval_wanted):
+            decisions.append(Decision("eval_sample_packing: true", "Axolotl's multipack replaced by the plugin's "
+                                      "packer", "evaluation rows are packed like the training rows"))
+
+    # ---- attention ---------------------------------------------------------------------------
+    attn = cfg.get("attn_implementation") or ("flash_attention_2" if _on(cfg.get("flash_attention")) else None)
+    if attn in FLASH_ATTENTION and not env.flash_attn:
+        edits["attn_implementation"] = "sdpa"
+        if "flash_attention" in cfg:
+            edits["flash_attention"] = False
+        decisions.append(Decision(
+            "attn_implementation", f"{attn} -> sdpa outside the decoder's attention",
+            "the flash-attn package is not installed; the decoder's full-attention layers run the plugin's varlen "
+            "kernel either way, the rest of the model (e.g. a vision tower) runs PyTorch's sdpa"))
+
+    # ---- memory ------------------------------------------------------------------------------
+    checkpointing, why_not_auto = _checkpointing(cfg, args.fastqwen_checkpointing, rows == "fastqwen", env)
+    if why_not_auto and args.fastqwen_checkpointing == "auto":
+        decisions.append(Decision("fastqwen_checkpointing", f"auto steps aside: {checkpointing}", why_not_auto))
+    elif why_not_auto and checkpointing == "full":
+        notes.append(f"fastqwen_checkpointing: full (default; auto would keep the activations of the layers that fit, "
+                     f"but {why_not_auto})")
+    elif checkpointing == "auto" and args.fastqwen_checkpointing is None:
+        decisions.append(Decision("fastqwen_checkpointing", "auto (default)", "gradient_checkpointing is on: the "
+                                  "layers whose activations fit in memory are kept, the rest recomputed"))
+    lean, lean_note = _lean_activations(cfg, args.fastqwen_lean_activations, checkpointing)
+    if lean_note:
+        notes.append(lean_note)
+
+    fused_ce = args.fastqwen_fused_ce
+    options = tuple(key for key in AXOLOTL_OPTIONS if _on(cfg.get(key)))
+    loss_owner = None if fused_ce else next((k for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
+                                             if k in options), None)
+    settings = Settings(
+        rows=rows, pack_eval=pack_eval and rows == "fastqwen", token_budget=budget, overlong=args.fastqwen_overlong,
+        sequence_len=sequence_len, micro_batch_size=micro_batch_size, user_rows=user_rows,
+        step_count_fixed=_on(cfg.get("max_steps")), warmup_steps=cfg.get("warmup_steps"),
+        warmup_ratio=cfg.get("warmup_ratio"), kernels=args.fastqwen_kernels,
+        kernel_preference=args.fastqwen_kernel_preference or None, fused_ce=fused_ce, loss_owner=loss_owner,
+        axolotl_options=options, checkpointing=checkpointing,
+        checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean,
+        model_source=cfg.get("base_model_config") or cfg.get("base_model"),
+        trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
+        output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))
+    return settings, edits
+
+
+def _describe_rows(rows: Rows) -> str:
+    return {"multipack": "Axolotl's multipack rows (boundaries read exactly from its attention_mask ids)",
+            "flattening": "HF's flattened rows (boundaries read from their position_ids)",
+            "padded": "padded batches", "fastqwen": "the plugin's packed rows"}[rows]
+
+
+def _takeover_why(budget: int, sequence_len: int, micro_batch_size: int) -> str:
+    default = budget == -(-sequence_len * micro_batch_size // TOKEN_BUDGET_MULTIPLE) * TOKEN_BUDGET_MULTIPLE
+    size = (f"sequence_len x micro_batch_size = {sequence_len} x {micro_batch_size}: the same tokens per step"
+            if default else "fastqwen_token_budget")
+    return (f"one static [1, {budget}] row per micro-batch ({size}); exact sequence boundaries, no label trained "
+            "across one; the step composition changes: steps per epoch, warm-up and eval/save cadence in steps")
+
+
+def _checkpointing(cfg: Mapping, explicit: str | None, packer: bool, env: Environment) -> tuple[str, str | None]:
+    """The checkpointing mode, and why `auto` does not run (None when it does, or is not wanted)."""
+    gc = cfg.get("gradient_checkpointing")
+    if not _on(gc):
+        if explicit == "auto":
+            return "off", ("gradient_checkpointing is off: every layer keeps its activations already, nothing is "
+                           "recomputed for auto to save")
+        return "off", None
+    if explicit == "full":
+        return "full", None
+    why = []
+    if gc in ("offload", "offload_disk") or _on(cfg.get("activation_offloading")):
+        why.append("activation_offloading is on: Axolotl's offloader replaces recompute and moves activations off "
+                   "the GPU, where auto cannot measure them (set activation_offloading: false to let auto keep what "
+                   "fits)")
+    if not packer:
+        why.append("the plugin's packer is off: auto sizes itself on one static row shape")
+    if _on(cfg.get("torch_compile")):
+        why.append("torch_compile is on: each change of the recomputed layers would recompile")
+    sharded = [k for k in SHARDING_KEYS if _on(cfg.get(k))]
+    if sharded:
+        why.append(f"{', '.join(sharded)} set: auto measures one unsharded device")
+    if explicit is None and env.processes > 1:
+        why.append(f"{env.processes} processes: auto fits one device (set fastqwen_checkpointing: auto to fit each)")
+    if explicit is None and not env.cuda_devices:
+        why.append("no CUDA device: peak memory cannot be measured")
+    if why:
+        return "full", "; ".join(why)
+    return "auto", None
+
+
+def _lean_activations(cfg: Mapping, explicit: bool | None, checkpointing: str) -> tuple[bool, str | None]:
+    """Whether lean activations run, and the report note that says why they do nothing, if so."""
+    clashes = [k for k in ("fsdp", "fsdp_config", "deepspeed", "torch_compile") if _on(cfg.get(k))]
+    why_clash = ("sharded weights are freed after the forward, before its recompute reads them, and a compiled "
+                 "forward does not run its hooks")
+    if explicit is True and clashes:
+        raise ConfigError(
+            f"`fastqwen_lean_activations: true` with {', '.join(f'`{k}`' for k in clashes)}", f"{why_clash}.",
+            instead="Leave fastqwen_lean_activations unset (it steps aside by itself here), or remove those keys.",
+            paste=["fastqwen_lean_activations: false"])
+    if explicit is False:
+        return False, None
+    every_layer_recomputed = checkpointing == "full"
+    if explicit is None and clashes:
+        return False, f"lean activations off (default): {', '.join(clashes)} set, and {why_clash}"
+    if explicit is None and every_layer_recomputed:
+        return False, ("lean activations off (default): gradient_checkpointing recomputes every layer, so none keeps "
+                       "activations to drop; fastqwen_checkpointing: auto keeps some and turns them on")
+    if explicit and every_layer_recomputed:
+        return True, ("fastqwen_lean_activations drops nothing here: gradient_checkpointing recomputes every layer "
+                      "(fastqwen_checkpointing: full); it pays with fastqwen_checkpointing: auto")
+    return True, None
+

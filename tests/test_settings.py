@@ -1,0 +1,220 @@
+"""The YAML read once (`integration/settings.py`): what the plugin takes over, where it steps aside,
+and the few contradictions it refuses, each in one short paragraph with the key, why and the fix.
+
+Each case is checked against the config Axolotl goes on to validate (the edits) and the decisions
+the log and the report show; `tests/test_axolotl_examples.py` runs the same rules through real
+`axolotl train` runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from axolotl_fastqwen.integration.keys import FastQwenArgs
+from axolotl_fastqwen.integration.settings import ConfigError, Environment, resolve
+
+GPU = Environment(cuda_devices=1, processes=1, flash_attn=True)
+CPU = Environment(cuda_devices=0, processes=1, flash_attn=False)
+BASE = {"sequence_len": 2048, "micro_batch_size": 2}
+
+
+def settle(env=GPU, **cfg):
+    return resolve({**BASE, **cfg}, env)
+
+
+def decided(settings) -> str:
+    return "\n".join(str(d) for d in settings.decisions)
+
+
+# ---- packing ---------------------------------------------------------------------------------
+def test_sample_packing_means_pack_my_data_the_packer_takes_over_at_the_same_tokens_per_step():
+    settings, edits = settle(sample_packing=True, eval_sample_packing=True)
+    assert settings.rows == "fastqwen" and settings.pack_eval and settings.user_rows == "multipack"
+    assert settings.token_budget == 2048 * 2  # multipack's micro-batch: 2 rows of sequence_len
+    assert edits == {"sample_packing": False, "eval_sample_packing": False}
+    text = decided(settings)
+    assert "sample_packing: true: Axolotl's multipack replaced by the plugin's packer" in text
+    assert "sequence_len x micro_batch_size = 2048 x 2: the same tokens per step" in text
+    assert "steps per epoch, warm-up and eval/save cadence in steps" in text
+    assert "eval_sample_packing: true: Axolotl's multipack replaced" in text
+
+
+def test_the_budget_rounds_up_to_the_grid_and_an_explicit_budget_wins():
+    assert resolve({"sequence_len": 500, "micro_batch_size": 3}, GPU)[0].token_budget == 1536
+    settings, _ = settle(sample_packing=True, fastqwen_token_budget=16384)
+    assert settings.token_budget == 16384 and "fastqwen_token_budget" in decided(settings)
+
+
+def test_axolotls_default_sequence_len_is_its_schemas():
+    pytest.importorskip("axolotl")
+    from axolotl.utils.schemas.config import AxolotlInputConfig
+
+    settings, _ = resolve({}, CPU)
+    assert settings.sequence_len == AxolotlInputConfig.model_fields["sequence_len"].default
+    assert settings.micro_batch_size == 1
+
+
+def test_eval_sample_packing_false_keeps_evaluation_on_padded_batches():
+    settings, edits = settle(sample_packing=True, eval_sample_packing=False)
+    assert settings.packer and not settings.pack_eval
+    assert edits == {"sample_packing": False, "eval_sample_packing": False}
+    assert "eval_sample_packing: false: kept: evaluation runs on Axolotl's padded batches" in decided(settings)
+
+
+@pytest.mark.parametrize("key", ["batch_flattening", "group_by_length"])
+def test_other_pad_less_keys_are_taken_over_too(key):
+    settings, edits = settle(**{key: True})
+    assert settings.packer and edits == {key: False}
+    assert f"{key}: true:" in decided(settings)
+
+
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("streaming", True, "streaming datasets"),
+    ("pretraining_dataset", [{"path": "x"}], "streaming pretraining data"),
+    ("rl", "dpo", "preference / RL trainers"),
+    ("reward_model", True, "reward-model"),
+    ("curriculum_sampling", True, "curriculum sampling keeps the dataset's order"),
+    ("skip_prepare_dataset", True, "tokenized in the collator"),
+    ("context_parallel_size", 2, "context parallelism"),
+    ("context_parallel", {"size": 4}, "context parallelism"),
+    ("datasets", [{"path": "x", "streaming": True}], "streaming datasets"),
+])
+def test_where_the_packer_cannot_run_it_steps_aside_to_axolotls_rows_with_the_kernels_on(key, value, why):
+    settings, edits = settle(sample_packing=True, **{key: value})
+    assert settings.rows == "multipack" and not settings.packer  # what the YAML asked for
+    assert edits == {}  # sample_packing stays: Axolotl's rows, read exactly by the patched model
+    text = decided(settings)
+    assert "fastqwen_packing: off, the rows are Axolotl's multipack rows" in text and why in text
+    assert "the fused kernels still run" in text
+    settings, _ = settle(**{key: value})
+    assert settings.rows == "padded"
+
+
+def test_an_explicit_packer_that_cannot_run_is_refused_in_one_short_paragraph():
+    with pytest.raises(ConfigError) as err:
+        settle(fastqwen_packing=True, streaming=True)
+    text = str(err.value)
+    lines = text.splitlines()
+    assert lines[0] == "axolotl_fastqwen cannot train this config: `fastqwen_packing: true` with `streaming`"
+    assert "needs every sample's length" in text and "fastqwen_packing: false" in lines[-1]
+    assert len(lines) <= 6 and "input_value" not in text and "Traceback" not in text
+
+
+def test_packing_off_leaves_axolotls_multipack_rows():
+    settings, edits = settle(fastqwen_packing=False, sample_packing=True)
+    assert settings.rows == "multipack" and edits == {} and not settings.decisions
+    assert any("boundaries read exactly" in note for note in settings.notes)
+
+
+# ---- attention -------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [{"attn_implementation": "flash_attention_2"}, {"flash_attention": True}])
+def test_flash_attention_without_flash_attn_runs_sdpa_outside_the_decoders_attention(cfg):
+    settings, edits = settle(CPU, **cfg)
+    assert edits["attn_implementation"] == "sdpa"
+    assert edits.get("flash_attention", False) is False
+    assert "the flash-attn package is not installed" in decided(settings)
+    assert settle(GPU, **cfg)[1] == {}  # installed: left as asked
+
+
+# ---- checkpointing ---------------------------------------------------------------------------
+def test_auto_is_the_default_wherever_checkpointing_is_on_and_auto_can_run():
+    settings, _ = settle(gradient_checkpointing=True)
+    assert settings.checkpointing == "auto" and settings.lean_activations
+    assert "fastqwen_checkpointing: auto (default)" in decided(settings)
+    assert settle(gradient_checkpointing=False)[0].checkpointing == "off"
+
+
+@pytest.mark.parametrize(("env", "cfg", "why"), [
+    (CPU, {}, "no CUDA device"),
+    (Environment(2, 2, True), {}, "2 processes"),
+    (GPU, {"activation_offloading": True}, "activation_offloading is on"),
+    (GPU, {"gradient_checkpointing": "offload"}, "activation_offloading is on"),
+    (GPU, {"torch_compile": True}, "torch_compile"),
+    (GPU, {"fsdp_config": {"fsdp_version": 2}}, "fsdp_config set"),
+    (GPU, {"deepspeed": "zero3.json"}, "deepspeed set"),
+    (GPU, {"fastqwen_packing": False}, "packer is off"),
+])
+def test_elsewhere_the_default_is_full_with_the_reason_in_the_report(env, cfg, why):
+    settings, _ = settle(env, **{"gradient_checkpointing": True, **cfg})
+    assert settings.checkpointing == "full"
+    assert any(n.startswith("fastqwen_checkpointing: full (default;") and why in n for n in settings.notes), settings.notes
+
+
+def test_an_explicit_auto_that_cannot_run_steps_aside_with_a_note_never_an_error():
+    settings, _ = settle(gradient_checkpointing=True, activation_offloading=True, fastqwen_checkpointing="auto")
+    assert settings.checkpointing == "full"
+    assert "fastqwen_checkpointing: auto steps aside: full (activation_offloading is on" in decided(settings)
+    settings, _ = settle(gradient_checkpointing=False, fastqwen_checkpointing="auto")
+    assert settings.checkpointing == "off" and "nothing is recomputed" in decided(settings)
+
+
+def test_an_explicit_auto_runs_where_the_default_would_not_and_its_fitter_decides():
+    """No CUDA device, or several processes: `auto` asked for runs, and the fitter says what it did
+    (on a CPU: every layer recomputed, no peak-memory counters)."""
+    assert settle(CPU, gradient_checkpointing=True, fastqwen_checkpointing="auto")[0].checkpointing == "auto"
+    assert settle(Environment(2, 2, True), gradient_checkpointing=True,
+                  fastqwen_checkpointing="auto")[0].checkpointing == "auto"
+    assert settle(gradient_checkpointing=True, fastqwen_checkpointing="full")[0].checkpointing == "full"
+
+
+def test_the_memory_fraction_is_bounded():
+    assert settle(fastqwen_checkpointing_memory=0.7)[0].checkpointing_memory == 0.7
+    with pytest.raises(ConfigError, match="fastqwen_checkpointing_memory"):
+        settle(fastqwen_checkpointing_memory=1.2)
+
+
+# ---- lean activations ------------------------------------------------------------------------
+def test_lean_activations_default_on_and_steps_aside_for_sharding_compile_and_full_checkpointing():
+    assert settle()[0].lean_activations
+    assert settle(torch_compile=False, fsdp_config={})[0].lean_activations
+    assert settle(gradient_checkpointing=True)[0].lean_activations  # auto keeps layers
+    assert not settle(fastqwen_lean_activations=False)[0].lean_activations
+    settings, _ = settle(fastqwen_lean_activations=True, gradient_checkpointing=True, fastqwen_checkpointing="full")
+    assert settings.lean_activations
+    assert any(n.startswith("fastqwen_lean_activations drops nothing here") for n in settings.notes)
+    settings, _ = settle(fsdp_config={"fsdp_version": 2}, torch_compile=True)
+    assert not settings.lean_activations
+    assert any(n.startswith("lean activations off (default): fsdp_config, torch_compile set") for n in settings.notes)
+    settings, _ = settle(CPU, gradient_checkpointing=True)
+    assert not settings.lean_activations
+    assert any("gradient_checkpointing recomputes every layer" in n for n in settings.notes)
+
+
+@pytest.mark.parametrize(("cfg", "named"), [
+    ({"fsdp_config": {"fsdp_version": 2}}, "`fsdp_config`"),
+    ({"torch_compile": True, "deepspeed": "zero3.json"}, "`deepspeed`, `torch_compile`"),
+])
+def test_lean_activations_true_with_sharding_or_compile_is_refused(cfg, named):
+    with pytest.raises(ConfigError) as err:
+        settle(fastqwen_lean_activations=True, **cfg)
+    assert f"`fastqwen_lean_activations: true` with {named}" in str(err.value)
+    assert "fastqwen_lean_activations: false" in str(err.value)
+
+
+# ---- the keys themselves ---------------------------------------------------------------------
+@pytest.mark.parametrize(("cfg", "message", "paste"), [
+    ({"fastqwen_token_budget": 1000}, "got 1000", "fastqwen_token_budget: 1024"),
+    ({"fastqwen_token_budget": 0}, "got 0", "fastqwen_token_budget: 64"),
+    ({"fastqwen_kernels": "fast"}, "`fastqwen_kernels: fast`", None),
+    ({"fastqwen_overlong": "drop"}, "`fastqwen_overlong: drop`", None),
+    ({"fastqwen_kernel_preference": {"gdn": "flash-qla"}}, "unknown op(s) ['gdn']; the ops are gated_delta_rule", None),
+    ({"fastqwen_pakcing": False, "fastqwen_token_budgett": 1024},
+     "`fastqwen_pakcing` (did you mean `fastqwen_packing`?), `fastqwen_token_budgett` (did you mean "
+     "`fastqwen_token_budget`?)", "fastqwen_token_budget: 1024"),
+])
+def test_bad_keys_name_the_key_and_the_fix(cfg, message, paste):
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, CPU)
+    assert message in str(err.value)
+    if paste:
+        assert paste in str(err.value).splitlines()[-1]
+
+
+def test_unrelated_keys_are_axolotls_business_and_defaults_decide_nothing_unasked():
+    settings, edits = resolve({"unrelated_key": 1}, CPU)
+    assert edits == {} and settings.decisions == ()
+    args = FastQwenArgs.model_validate({})
+    assert (args.fastqwen_packing, args.fastqwen_checkpointing, args.fastqwen_lean_activations) == (None, None, None)
+    assert (args.fastqwen_kernels, args.fastqwen_overlong, args.fastqwen_fused_ce) == ("auto", "error", True)
+    settings, _ = resolve({"fastqwen_kernel_preference": {"gated_delta_rule": "flash-qla"}}, CPU)
+    assert settings.kernel_preference == {"gated_delta_rule": "flash-qla"}
