@@ -15,7 +15,8 @@
 # probe records, our plugin's reports, the asset manifest). Runs left in $WORK by an earlier call
 # on a warm machine are summarised too (one overlay of every run).
 #
-# Knobs (env): RUNS, LAYERS (8), STEPS (60), BUDGET (8192), GC (0), SEED (42), ASSETS (/tmp/fq27b),
+# Knobs (env): RUNS, LAYERS (8), STEPS (60; ASSET_STEPS, default STEPS, sizes the data: keep it the
+# same in every call of a series, or the assets are rewritten), BUDGET (8192), GC (0), SEED (42), ASSETS (/tmp/fq27b),
 # WORK (/tmp/fq-runs), DEADLINE (560 s of this script's wall time: no run starts with < MIN_RUN
 # (150 s) left; each run's, and a retry's, timeout is its fair share of what is left, at most
 # RUN_TIMEOUT (400 s)), RETRY_SAFE (1; once a -safe retry succeeds, later axolotl/fastqwen runs
@@ -40,7 +41,7 @@ PY=${FQ_PYTHON:-python3}
 log "closure ready"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
-asset_args=(--out "$ASSETS" --layers "$LAYERS" --steps "$STEPS" --budget "$BUDGET")
+asset_args=(--out "$ASSETS" --layers "$LAYERS" --steps "${ASSET_STEPS:-$STEPS}" --budget "$BUDGET")
 cfg_extra=()
 if [ "$CPU_TEST" = 1 ]; then
   asset_args+=(--tiny --device cpu --median "${MEDIAN:-300}")
@@ -80,10 +81,11 @@ one_run() {  # one_run NAME TIMEOUT -> exit code; leaves $WORK/NAME/{config.yml,
 
 first_step_seen() { grep -q '"first_step_end"' "$WORK/$1/train_probe.json" 2>/dev/null || grep -q "{'loss'" "$WORK/$1/train.log" 2>/dev/null; }
 
+paired() { [[ "$1" == axolotl || "$1" == fastqwen || "$1" == example || "$1" == example-plugin ]]; }
 set -- $RUNS
-force_safe=0  # once one of axolotl/fastqwen needed its -safe variant, the other runs it too (same switches)
+force_safe=0  # once one run of a pair needed its -safe variant, the other runs it too (same switches)
 for run in $RUNS; do
-  [ $force_safe = 1 ] && [[ "$run" == axolotl || "$run" == fastqwen ]] && run="$run-safe"
+  [ $force_safe = 1 ] && paired "$run" && run="$run-safe"
   left=$((DEADLINE - (SECONDS - START)))
   if [ $left -lt "$MIN_RUN" ]; then log "skip $run: ${left}s left"; shift; continue; fi
   share=$(( (left - 25) / $# ))  # the runs still to come each keep a fair share of the time
@@ -91,7 +93,7 @@ for run in $RUNS; do
   limit=$(( share < RUN_TIMEOUT ? share : RUN_TIMEOUT )); shift
   one_run "$run" "$limit"; rc=$?
   [ $rc -eq 0 ] && rm -rf "$WORK/$run-safe"  # a stale retry from an earlier call
-  if [ $rc -ne 0 ] && [ "$RETRY_SAFE" = 1 ] && [[ "$run" == axolotl || "$run" == fastqwen ]] && ! first_step_seen "$run"; then
+  if [ $rc -ne 0 ] && [ "$RETRY_SAFE" = 1 ] && paired "$run" && ! first_step_seen "$run"; then
     left=$((DEADLINE - (SECONDS - START)))
     if [ $left -ge "$MIN_RUN" ]; then
       log "retry $run without fused_attn_kernel / liger_rms_norm_gated"

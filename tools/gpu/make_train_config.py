@@ -23,7 +23,7 @@ Runs (--run):
   fused linear cross-entropy in place of the example's CutCrossEntropyPlugin, whose git-only fork
   is not on the image), ``adamw_torch_fused`` (the example's torchao 4-bit AdamW is not on the
   image), sdpa, and fla's Hopper guard lifted as for ``axolotl``.
-* ``example+line``: ``example`` with ``axolotl_fastqwen.FastQwenPlugin`` appended to ``plugins:``
+* ``example-plugin``: ``example`` with ``axolotl_fastqwen.FastQwenPlugin`` appended to ``plugins:``
   and nothing else changed (the plugin then takes ``sample_packing`` over, and chooses
   ``fastqwen_checkpointing: auto`` by itself).
 * ``*-safe`` (``axolotl-safe``, ``fastqwen-safe``): without ``fused_attn_kernel`` and
@@ -65,7 +65,7 @@ EXAMPLES = {
     "qlora": "examples/qwen3_5-27b-qlora.yml",
     "fft": "examples/qwen3_5-27b-fft.yml",
     "example": "tests/axolotl_examples/27b-qlora.yaml",
-    "example+line": "tests/axolotl_examples/27b-qlora.yaml",
+    "example-plugin": "tests/axolotl_examples/27b-qlora.yaml",
 }
 CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 # CPU smoke test only: what needs CUDA (Triton kernels, Liger, bf16 autocast) off.
@@ -92,12 +92,12 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
         raise SystemExit(f"unknown run {run!r}; known: {', '.join(list(EXAMPLES) + ['axolotl-safe', 'fastqwen-safe'])}")
     cfg = yaml.safe_load((REPO / EXAMPLES[base]).read_text())
     cfg = copy.deepcopy(cfg)
-    if base in ("example", "example+line"):
+    if base in ("example", "example-plugin"):
         cfg.pop("load_in_4bit", None)
         cfg.update(AXOLOTL_FAST, adapter="lora", optimizer="adamw_torch_fused", bf16=True)
         _plugins(cfg, [LIGER], [CCE])
         cfg["plugins"] = [FLA_GUARD] + cfg["plugins"]
-        if base == "example+line":
+        if base == "example-plugin":
             cfg["plugins"].append(FASTQWEN)  # the one line, nothing else
     if base in ("axolotl", "fastqwen"):
         cfg.update(AXOLOTL_FAST)
