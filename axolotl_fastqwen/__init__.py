@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = ["FastQwenPlugin", "PatchReport", "patch_model", "unpatch_model", "__version__"]
 
 if TYPE_CHECKING:
-    from .patching import PatchReport, patch_model, unpatch_model
+    from .patching.patch import PatchReport, patch_model, unpatch_model
     from .integration.plugin import FastQwenPlugin
 
 # Imported when first asked for: torch and transformers for the patcher, Axolotl for the plugin;

@@ -1,9 +1,10 @@
-"""CPU smoke tests of `python -m axolotl_fastqwen bench|profile|doctor` on the tiny shapes.
+"""CPU smoke tests of `python -m fastqwen_bench bench|profile` on the tiny shapes, and of the installed
+package's `python -m axolotl_fastqwen doctor`.
 
 The commands run in-process (imports dominate on 2 cores). On CPU the stock fla paths crash
 because transformers (before 5.25) runs fla whenever it imports: that is the failing path the run
 must record and survive. Axolotl's paths run on CPU with fla's two Triton entry points stood in
-(bench/cpu_fla.py) and every Triton-only component refused; their GPU-only set-up branches are
+(fastqwen_bench/cpu_fla.py) and every Triton-only component refused; their GPU-only set-up branches are
 checked separately (`assume_cuda`: set up and undone, no forward).
 """
 
@@ -19,9 +20,15 @@ import pytest
 import torch
 
 from axolotl_fastqwen.__main__ import main
-from axolotl_fastqwen.bench import data
-from axolotl_fastqwen.bench.shapes import build_config, build_model, get_shape, linear_params, matmul_params_per_token
-from axolotl_fastqwen.stock import resolved_kernel
+from fastqwen_bench import data
+from fastqwen_bench.__main__ import COMMANDS as BENCH_COMMANDS
+from fastqwen_bench.shapes import build_config, build_model, get_shape, linear_params, matmul_params_per_token
+from axolotl_fastqwen.transformers_functions import resolved_kernel
+
+def bench_cli(argv: list[str]) -> int:
+    """`python -m fastqwen_bench ARGV`."""
+    return main(argv, prog="python -m fastqwen_bench", commands=BENCH_COMMANDS)
+
 
 TINY = ["--model", "tiny", "--device", "cpu", "--budget", "256", "--seed", "0"]
 PATH_KEYS = {
@@ -49,7 +56,7 @@ def bench(tmp_path_factory):
     forwards = lambda: (mq.Qwen3_5GatedDeltaNet.forward, mq.Qwen3_5DecoderLayer.forward)  # noqa: E731
     before = forwards()
     out = tmp_path_factory.mktemp("bench")
-    rc = main(["bench", *TINY, "--steps", "2", "--warmup", "0", "--out", str(out)])
+    rc = bench_cli(["bench", *TINY, "--steps", "2", "--warmup", "0", "--out", str(out)])
     assert forwards() == before, "Axolotl's class-level patch was not undone"
     return rc, json.loads((out / "bench.json").read_text()), out
 
@@ -61,7 +68,7 @@ def _path(result, name):
 def test_bench_writes_complete_json(bench):
     rc, result, out = bench
     assert rc == 0
-    assert result["schema"] == "axolotl_fastqwen.bench/1" and result["partial"] is False
+    assert result["schema"] == "fastqwen_bench/1" and result["partial"] is False
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
         "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen", "fastqwen+ckpt-auto",
@@ -182,8 +189,8 @@ def test_axolotl_best_is_undone_and_the_plugin_path_after_it_is_unaffected():
     model's modules, per-instance forwards, parameters and the modeling module as before."""
     import importlib
 
-    from axolotl_fastqwen.bench import run
-    from axolotl_fastqwen.bench.restore import fingerprint
+    from fastqwen_bench import run
+    from fastqwen_bench.restore import fingerprint
     from axolotl_fastqwen import registry
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -214,9 +221,9 @@ def test_axolotl_best_gpu_branches_apply_and_undo_fully(shape):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
-    from axolotl_fastqwen.bench.axolotl_best import axolotl_best
-    from axolotl_fastqwen.bench.restore import fingerprint
-    from axolotl_fastqwen.bench.shapes import lora_targets
+    from fastqwen_bench.axolotl_best import axolotl_best
+    from fastqwen_bench.restore import fingerprint
+    from fastqwen_bench.shapes import lora_targets
     from axolotl_fastqwen import registry
 
     s = get_shape(shape)
@@ -258,7 +265,7 @@ def test_axolotl_best_gpu_branches_apply_and_undo_fully(shape):
 
 
 def test_parse_paths_letters_and_order():
-    from axolotl_fastqwen.bench.paths import EXECUTION_ORDER, parse_paths
+    from fastqwen_bench.paths import EXECUTION_ORDER, parse_paths
 
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
@@ -280,7 +287,7 @@ def test_lora_targets_of_the_moe_shapes():
     --lora-experts adds the routed experts as target_parameters."""
     from peft import LoraConfig, get_peft_model
 
-    from axolotl_fastqwen.bench.shapes import lora_target_parameters, lora_targets
+    from fastqwen_bench.shapes import lora_target_parameters, lora_targets
 
     def adapted(shape, experts=False):
         s = get_shape(shape)
@@ -306,7 +313,7 @@ def test_lora_targets_of_the_moe_shapes():
 def test_budget_shares_and_reference_ratios():
     from types import SimpleNamespace
 
-    from axolotl_fastqwen.bench.run import budget_skip, path_budget, reference_ratios
+    from fastqwen_bench.run import budget_skip, path_budget, reference_ratios
 
     args = SimpleNamespace(max_path_seconds=150.0, max_total_seconds=None)
     assert path_budget(args, 1000.0, 3) == 150.0
@@ -325,7 +332,7 @@ def test_budget_shares_and_reference_ratios():
 def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_on_cpu(tmp_path):
     """Path m is path e under fastqwen_checkpointing: auto. A CPU has no peak-memory counters, so
     the fitter recomputes every layer and says why; the losses are path e's (same weights, same rows)."""
-    rc = main(["bench", *TINY, "--paths", "e,m", "--gc", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    rc = bench_cli(["bench", *TINY, "--paths", "e,m", "--gc", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "bench.json").read_text())
     e, m = _path(result, "fastqwen"), _path(result, "fastqwen+ckpt-auto")
     assert rc == 0 and e["status"] == m["status"] == "ok"
@@ -336,7 +343,7 @@ def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_o
     assert m["rows"]["warmup"] == [2, 3, 4, 5, 6] and e["rows"]["warmup"] == []
     assert m["real_tokens_per_step"] == e["real_tokens_per_step"]
     assert "fastqwen_checkpointing: auto" in (tmp_path / "bench.md").read_text()
-    rc = main(["bench", *TINY, "--paths", "m", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "nogc")])
+    rc = bench_cli(["bench", *TINY, "--paths", "m", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "nogc")])
     skipped = _path(json.loads((tmp_path / "nogc" / "bench.json").read_text()), "fastqwen+ckpt-auto")
     assert skipped["status"] == "skipped" and "--gc" in skipped["error"]
 
@@ -344,14 +351,14 @@ def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_o
 def test_bench_runs_forwards_under_bf16_autocast_when_asked(tmp_path):
     """`--autocast on` is the Trainer's `bf16: true` (auto turns it on for bf16 on CUDA): the
     plugin path must train under it, and the record must say it ran so."""
-    rc = main(["bench", *TINY, "--paths", "e", "--dtype", "bf16", "--autocast", "on", "--steps", "1",
+    rc = bench_cli(["bench", *TINY, "--paths", "e", "--dtype", "bf16", "--autocast", "on", "--steps", "1",
                "--warmup", "0", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "bench.json").read_text())
     assert rc == 0 and result["model"]["autocast"] is True and "under autocast" in (tmp_path / "bench.md").read_text()
     r = _path(result, "fastqwen")
     assert r["status"] == "ok" and all(np.isfinite(r["step_losses"]))
     with pytest.raises(SystemExit, match="--autocast on needs --dtype bf16"):
-        main(["bench", *TINY, "--autocast", "on", "--dtype", "fp32", "--out", str(tmp_path)])
+        bench_cli(["bench", *TINY, "--autocast", "on", "--dtype", "fp32", "--out", str(tmp_path)])
 
 
 def test_axolotl_patch_imports_without_its_trainer_callback_dependencies():
@@ -362,7 +369,7 @@ def test_axolotl_patch_imports_without_its_trainer_callback_dependencies():
 import sys
 for name in ("evaluate", "datasets", "wandb", "trl", "bitsandbytes", "pydantic"):
     sys.modules[name] = None  # import raises, find_spec says absent: what a missing package does
-from axolotl_fastqwen.bench.axolotl_import import import_axolotl_patch
+from fastqwen_bench.axolotl_import import import_axolotl_patch
 module, stood_in = import_axolotl_patch("axolotl.monkeypatch.models.qwen3_5.modeling")
 assert callable(module.patch_qwen3_5_modeling_packing)
 assert module.__file__.startswith(__import__("os").path.dirname(__import__("axolotl").__file__))
@@ -370,7 +377,7 @@ assert any("axolotl.utils.callbacks" in s and "evaluate" in s for s in stood_in)
 assert any("bitsandbytes" in s for s in stood_in), stood_in
 assert "axolotl.utils.callbacks" not in sys.modules
 # the GPU image has no pydantic either: Axolotl's Liger / kernels package __init__s need it
-from axolotl_fastqwen.bench.axolotl_import import axolotl_modules
+from fastqwen_bench.axolotl_import import axolotl_modules
 names = ["axolotl.integrations.liger.models.qwen3_5", "axolotl.integrations.kernels.libs.scattermoe_lora.experts",
          "axolotl.monkeypatch.lora_kernels", "axolotl.monkeypatch.attention.sdpa_varlen"]
 with axolotl_modules(names) as (mods, stood, errors):
@@ -385,7 +392,7 @@ print("ok", stood_in)
 
 
 def test_profile_writes_trace_and_counts(tmp_path, capsys):
-    rc = main(["profile", *TINY, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    rc = bench_cli(["profile", *TINY, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["unit"] == "cpu_ops" and report["launches_per_step"] > 100
@@ -396,7 +403,7 @@ def test_profile_writes_trace_and_counts(tmp_path, capsys):
 def test_profile_drives_the_checkpoint_fitter_on_an_auto_path(tmp_path, capsys):
     """A `fastqwen_checkpointing: auto` path is profiled as it trains: its fitting steps run in the
     warm-up and the report carries the fitter's record (on a CPU: off, every layer recomputed)."""
-    rc = main(["profile", *TINY, "--gc", "--path", "fastqwen+ckpt-auto", "--steps", "1", "--warmup", "0",
+    rc = bench_cli(["profile", *TINY, "--gc", "--path", "fastqwen+ckpt-auto", "--steps", "1", "--warmup", "0",
                "--no-trace", "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "profile.json").read_text())
@@ -407,7 +414,7 @@ def test_profile_drives_the_checkpoint_fitter_on_an_auto_path(tmp_path, capsys):
 
 def test_doctor_runs_on_cpu_and_says_what_a_gpu_would_use(tmp_path, capsys):
     out = tmp_path / "doctor.json"
-    assert main(["doctor", "--model", "tiny", "--json", str(out)]) == 0
+    assert main(["doctor", "--model", "qwen3.5-35b-a3b", "--json", str(out)]) == 0
     findings = json.loads(out.read_text())
     assert {row["op"] for row in findings["kernels"]} == {
         "gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention", "rms_norm", "linear_cross_entropy"
@@ -473,7 +480,7 @@ class _Event:
 
 
 def test_gpu_gap_analysis_attributes_idle_time_to_the_running_cpu_op():
-    from axolotl_fastqwen.bench.profile import analyze
+    from fastqwen_bench.profile import analyze
 
     events = [
         _Event("aten::mm", "cpu_op", 0, 40), _Event("cudaLaunchKernel", "cuda_runtime", 5, 3),
@@ -493,7 +500,7 @@ def test_gpu_gap_analysis_attributes_idle_time_to_the_running_cpu_op():
 
 
 def test_kernel_time_by_category_splits_a_moe_step():
-    from axolotl_fastqwen.bench.profile import analyze, categorize
+    from fastqwen_bench.profile import analyze, categorize
 
     names = {
         "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "gemm",
@@ -527,9 +534,9 @@ def test_a_kernel_preference_path_that_does_not_take_is_skipped_not_run_as_its_b
     import torch
     from tiny_assets import build_tiny_model
 
-    from axolotl_fastqwen.bench.common import PathSkipped
-    from axolotl_fastqwen.bench.paths import _plugin
-    from axolotl_fastqwen.patching import STATE_ATTR
+    from fastqwen_bench.common import PathSkipped
+    from fastqwen_bench.paths import _plugin
+    from axolotl_fastqwen.patching.patch import STATE_ATTR
 
     model = build_tiny_model("qwen3_5")
     info: dict = {"notes": []}
@@ -548,7 +555,7 @@ def test_launch_census_groups_launches_by_the_op_chain_that_issued_them():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from axolotl_fastqwen.bench.profile import launch_census
+    from fastqwen_bench.profile import launch_census
     from census_probe import Scale
 
     x = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)

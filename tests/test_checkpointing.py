@@ -1,4 +1,4 @@
-"""`fastqwen_checkpointing: auto` (checkpointing.py) on CPU.
+"""`fastqwen_checkpointing: auto` (memory/checkpoint_fitter.py) on CPU.
 
 Exactness: whichever layers the fitter keeps, training gives the gradients of stock transformers
 on each sequence alone (fp32; 1e-4 global and per tensor: the patching tests' 1e-5 is for 4
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
-from axolotl_fastqwen.checkpointing import FIT_STEPS, GIB, CheckpointFitter, decoder_layers
+from axolotl_fastqwen.memory.checkpoint_fitter import FIT_STEPS, GIB, CheckpointFitter, decoder_layers
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     LORA_TARGETS, TENSOR_TOL, alone_loss_and_grads, grads, model_for, packed_batch, rel, sequences,
 )

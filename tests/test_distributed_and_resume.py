@@ -79,7 +79,7 @@ def stock_losses(rows: list[dict]) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from axolotl_fastqwen.stock import stock_torch_kernels
+    from axolotl_fastqwen.transformers_functions import stock_torch_kernels
 
     model = AutoModelForCausalLM.from_pretrained(ROOT / ".assets" / "qwen3_5", dtype=torch.float32).eval()
     out = []

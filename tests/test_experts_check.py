@@ -1,4 +1,4 @@
-"""The experts self-check (`kernels/experts_check.py`) against transformers' own eager experts.
+"""The experts self-check (`kernel_choice/experts_selfcheck.py`) against transformers' own eager experts.
 
 Run on a CPU here (`devices=("cpu",)`; in training it runs on the GPU only, like every kernel
 check): a correct implementation passes at the fp32 tolerance, one that is wrong in its forward,
@@ -13,10 +13,10 @@ import contextlib
 import pytest
 import torch
 
-from axolotl_fastqwen.experts import experts_modules
-from axolotl_fastqwen.kernels.experts_check import CHECK_TOKENS, check_inputs, compare, selfcheck_experts
-from axolotl_fastqwen.kernels.selfcheck import TOLERANCE
-from axolotl_fastqwen.layers.experts import GROUPED
+from axolotl_fastqwen.layers.experts_implementation import experts_modules
+from axolotl_fastqwen.kernel_choice.experts_selfcheck import CHECK_TOKENS, check_inputs, compare, selfcheck_experts
+from axolotl_fastqwen.kernel_choice.selfcheck import TOLERANCE
+from axolotl_fastqwen.layers.grouped_experts import GROUPED
 from tiny_assets import build_tiny_model
 
 moe = pytest.importorskip("transformers.integrations.moe")
@@ -118,7 +118,7 @@ def test_eager_is_the_reference_itself(model):
 
 def test_a_check_that_cannot_copy_the_module_keeps_the_implementation_and_says_so(model, monkeypatch):
     """A failure of the check's own set-up says nothing about the implementation: it is kept."""
-    from axolotl_fastqwen.kernels import experts_check
+    from axolotl_fastqwen.kernel_choice import experts_selfcheck as experts_check
 
     def cannot_copy(*args, **kwargs):
         raise TypeError("parametrized experts")
@@ -133,7 +133,7 @@ def test_a_check_that_cannot_copy_the_module_keeps_the_implementation_and_says_s
 def test_the_check_runs_at_the_real_expert_sizes(shape):
     """What the doctor and the GPU test build: the family's experts class at the shape's hidden and
     intermediate sizes and top-k (16 experts here, to keep a CPU run small)."""
-    from axolotl_fastqwen.bench.shapes import build_experts, get_shape
+    from fastqwen_bench.shapes import build_experts, get_shape
 
     experts = build_experts(get_shape(shape), torch.device("cpu"), torch.float32, experts=16)
     assert experts.gate_up_proj.shape == (16, 1024, 2048) and experts.down_proj.shape == (16, 2048, 512)
@@ -147,8 +147,8 @@ def test_fastqwen_grouped_is_checked_with_its_factored_lora_too(model, monkeypat
     """The plugin's experts pass plain and with LoRA factors (fp32 here: round-off); a factored path
     that ignores the adapter (right without LoRA, wrong with it) is rejected and the next in line,
     transformers' grouped_mm, trains."""
-    from axolotl_fastqwen.kernels import experts_check
-    from axolotl_fastqwen.layers.experts import register
+    from axolotl_fastqwen.kernel_choice import experts_selfcheck as experts_check
+    from axolotl_fastqwen.layers.grouped_experts import register
 
     register()
     module = experts_modules(model)[0]

@@ -209,7 +209,7 @@ from transformers import AutoModelForCausalLM
 import fastqwen_ext_demo.fastqwen_family  # noqa: F401
 from axolotl_fastqwen import patch_model
 from axolotl_fastqwen.packing import PackedCollator
-from axolotl_fastqwen.stock import stock_torch_kernels
+from axolotl_fastqwen.transformers_functions import stock_torch_kernels
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 g = torch.Generator().manual_seed(0)
 seqs = [torch.randint(3, 400, (n,), generator=g) for n in (37, 1, 70, 20)]

@@ -19,7 +19,7 @@ import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.boundaries import Boundaries
-from axolotl_fastqwen.kernels import CheckShapes, bind, check_inputs, compare, reference_backend
+from axolotl_fastqwen.kernel_choice import CheckShapes, bind, check_inputs, compare, reference_backend
 from axolotl_fastqwen.ops import availability
 from axolotl_fastqwen.ops.linear_cross_entropy import liger_linear_cross_entropy, linear_cross_entropy
 from axolotl_fastqwen import registry
@@ -48,7 +48,7 @@ def test_kernel_matches_fp32_reference_on_packed_input(op, name, gpu_record):
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
     boundaries = Boundaries.from_cu_seqlens(cu.cuda(), device=torch.device("cuda"), host=cu)
     inputs, extra = check_inputs(op, QWEN35_27B, "cuda", tokens=int(cu[-1]))
-    from axolotl_fastqwen.kernels import hopper_guard
+    from axolotl_fastqwen.kernel_choice import hopper_guard
 
     lifted = backend.library == "fla" and op == "gated_delta_rule" and hopper_guard.active()
     if lifted:
@@ -235,7 +235,7 @@ def test_axolotl_fused_lora_projections_run_inside_the_patched_layers(gpu_record
     pytest.importorskip("axolotl")
     from peft import LoraConfig, get_peft_model
 
-    from axolotl_fastqwen.bench.axolotl_import import import_axolotl_patch
+    from fastqwen_bench.axolotl_import import import_axolotl_patch
     from axolotl.utils.dict import DictDefault
 
     lora_kernels, stood_in = import_axolotl_patch("axolotl.monkeypatch.lora_kernels")
@@ -264,7 +264,7 @@ def test_checkpoint_fitter_on_the_gpu(gpu_record):
     """`fastqwen_checkpointing: auto` with the CUDA allocator's real counters on an 8-layer 27B
     slice: the probe raises the peak, the fit keeps whole periods, and the kept layers' gradients
     equal those of every layer recomputed (the same batch; bf16 whole-model tolerance)."""
-    from axolotl_fastqwen.checkpointing import GIB, CheckpointFitter, memory_of
+    from axolotl_fastqwen.memory.checkpoint_fitter import GIB, CheckpointFitter, memory_of
 
     model = _model_27b_slice(layers=8).to(torch.bfloat16).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -303,9 +303,9 @@ def test_experts_selfcheck_passes_at_the_moe_shapes(shape, implementation, gpu_r
     backward incl. the expert weights' (or the LoRA factors') gradients, in bf16 (op tolerance)."""
     import transformers
 
-    from axolotl_fastqwen.bench.shapes import build_experts, get_shape
-    from axolotl_fastqwen.kernels.experts_check import selfcheck_experts
-    from axolotl_fastqwen.layers.experts import register
+    from fastqwen_bench.shapes import build_experts, get_shape
+    from axolotl_fastqwen.kernel_choice.experts_selfcheck import selfcheck_experts
+    from axolotl_fastqwen.layers.grouped_experts import register
 
     register()
     experts = build_experts(get_shape(shape), torch.device("cuda"), torch.bfloat16, implementation=implementation)
@@ -360,7 +360,7 @@ def test_35b_a3b_slice_bf16_kernels_and_experts_match_fp32_reference(gpu_record)
     bf16 on the same routing (H200: plugin 0.048, stock 0.055 on the gradients)."""
     from transformers import Qwen3_5MoeForCausalLM
 
-    from axolotl_fastqwen.bench.shapes import build_config, get_shape
+    from fastqwen_bench.shapes import build_config, get_shape
 
     config = build_config(get_shape("qwen3.5-35b-a3b"), layers=4)
     config.router_aux_loss_coef = 0.01
@@ -404,7 +404,7 @@ def test_launch_census_attributes_cuda_kernels_to_the_op_chain_that_launched_the
     forward is one copy kernel per call, keyed by the function; the backward's by its node."""
     from torch.profiler import ProfilerActivity, profile
 
-    from axolotl_fastqwen.bench.profile import launch_census
+    from fastqwen_bench.profile import launch_census
     from census_probe import Scale
 
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)

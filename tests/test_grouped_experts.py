@@ -1,5 +1,5 @@
-"""The plugin's routed experts (`layers/experts.py`, `fastqwen_grouped`) and peft's expert LoRA run
-factored through it (`expert_adapters.py`), against stock transformers and stock peft.
+"""The plugin's routed experts (`layers/grouped_experts.py`, `fastqwen_grouped`) and peft's expert LoRA run
+factored through it (`expert_lora.py`), against stock transformers and stock peft.
 
 References: transformers' eager experts loop, and for LoRA on the experts peft's own
 `ParamWrapper` forward (the merged `W + s·B·A`) with the eager experts, on the unpatched model
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
-from axolotl_fastqwen.experts import experts_implementation, experts_modules
-from axolotl_fastqwen.layers.experts import GROUPED, ExpertLora, grouped_experts_forward, register
-from axolotl_fastqwen.stock import stock_torch_kernels
+from axolotl_fastqwen.layers.experts_implementation import experts_implementation, experts_modules
+from axolotl_fastqwen.layers.grouped_experts import GROUPED, ExpertLora, grouped_experts_forward, register
+from axolotl_fastqwen.transformers_functions import stock_torch_kernels
 from tiny_assets import build_tiny_model
 
 peft = pytest.importorskip("peft")
@@ -79,7 +79,7 @@ def test_factored_lora_equals_the_merged_weight_with_padded_rank():
                for n, (i, o) in shapes.items()}
     index, weights = _routing(24, experts, k, seed=5)
     x = torch.randn(24, hidden_size, generator=gen)
-    from axolotl_fastqwen.expert_adapters import RANK_MULTIPLE
+    from axolotl_fastqwen.patching.expert_lora import RANK_MULTIPLE
     import torch.nn.functional as F
 
     padded = {n: ExpertLora(F.pad(a, (0, RANK_MULTIPLE - 3)), F.pad(b, (0, 0, 0, RANK_MULTIPLE - 3)), 0.5)
@@ -222,7 +222,7 @@ def test_user_chosen_experts_and_the_reference_backend_are_left_alone():
 def test_modules_the_computation_does_not_cover_run_transformers_grouped_mm():
     """Expert-parallel shards (fewer local experts than the config's, or the 5.20 flag), biases:
     `supports` says no, the forward is transformers' own `grouped_mm`, and factored LoRA refuses."""
-    from axolotl_fastqwen.layers.experts import supports
+    from axolotl_fastqwen.layers.grouped_experts import supports
 
     module = experts_modules(build_tiny_model("qwen3_5_moe"))[0]
     assert supports(module)

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from axolotl_fastqwen import kernels as K
+from axolotl_fastqwen import kernel_choice as K
 from axolotl_fastqwen.ops.gated_rmsnorm import reference_gated_rmsnorm
 from axolotl_fastqwen.ops.linear_cross_entropy import linear_cross_entropy
 from axolotl_fastqwen.registry import kernel_backends
@@ -184,7 +184,7 @@ def test_versions_and_cpu_selection_import_no_kernel_package():
     import sys
 
     code = ("import sys; from axolotl_fastqwen.ops.availability import versions; "
-            "from axolotl_fastqwen.kernels import select_kernels; v = versions(); select_kernels('cpu'); "
+            "from axolotl_fastqwen.kernel_choice import select_kernels; v = versions(); select_kernels('cpu'); "
             "loaded = [m for m in ('fla', 'causal_conv1d', 'flash_attn', 'liger_kernel') if m in sys.modules]; "
             "print('LOADED', loaded, v.get('fla'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""`fastqwen_lean_activations` (lean_activations.py) on CPU: what is dropped, and that nothing changes.
+"""`fastqwen_lean_activations` (memory/lean_activations.py) on CPU: what is dropped, and that nothing changes.
 
 Exactness: a dropped output is recomputed by the same function on the same inputs, so training
 with lean activations must give the gradients of training without them bit for bit
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
-from axolotl_fastqwen.lean_activations import INPUT_NOT_SAVED, LeanActivationsError
+from axolotl_fastqwen.memory.lean_activations import INPUT_NOT_SAVED, LeanActivationsError
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     FAMILIES, LORA_TARGETS, TOL, alone_loss_and_grads, assert_grads_close, grads, model_for, packed_batch, sequences,
 )
@@ -199,8 +199,8 @@ def test_axolotl_fused_lora_projections_drop_the_same_outputs_and_change_no_bit(
     so the MLP stays peft's): its autograd functions save the same norm and gate outputs, which are
     dropped and recomputed with the same bits."""
     pytest.importorskip("axolotl")
-    from axolotl_fastqwen.bench.paths import _attach_axolotl_lora_kernels
-    from axolotl_fastqwen.bench.restore import Undo
+    from fastqwen_bench.paths import _attach_axolotl_lora_kernels
+    from fastqwen_bench.restore import Undo
 
     model = lora_model("qwen3_5", gc=False)
     undo = Undo()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_routing
-from axolotl_fastqwen.stock import stock_torch_kernels
+from axolotl_fastqwen.transformers_functions import stock_torch_kernels
 from tiny_assets import build_tiny_model
 
 

@@ -26,7 +26,7 @@ from axolotl_fastqwen.ops.linear_cross_entropy import (
     shift_labels,
 )
 from axolotl_fastqwen.ops.varlen_attention import reference_varlen_attention
-from axolotl_fastqwen.stock import stock_torch_kernels, torch_fallback
+from axolotl_fastqwen.transformers_functions import stock_torch_kernels, torch_fallback
 
 CPU = torch.device("cpu")
 LENGTHS = [37, 1, 64, 90]  # a 1-token sequence, a chunk-aligned one, unaligned starts
@@ -239,7 +239,7 @@ def liger_stand_in(monkeypatch):
 @pytest.mark.parametrize("grads", ["hidden", "hidden+weight", "weight"])
 def test_liger_wrapper_has_the_torch_contract(num_items, grads, liger_stand_in):
     """Called as the patched head calls it (through the model's KernelSet, Liger chosen)."""
-    from axolotl_fastqwen.kernels import KernelChoice, KernelSet
+    from axolotl_fastqwen.kernel_choice import KernelChoice, KernelSet
     from axolotl_fastqwen.ops.linear_cross_entropy import BACKENDS
 
     liger, chunked = (next(b for b in BACKENDS if b.name == n) for n in ("liger", "torch-chunked"))
@@ -290,7 +290,7 @@ def test_what_stock_runs_on_a_cpu_is_what_resolved_kernel_says():
     and it fails on a CPU (the crash the stock baselines and the cache path must route around)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
-    from axolotl_fastqwen.stock import resolved_kernel
+    from axolotl_fastqwen.transformers_functions import resolved_kernel
 
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 12, 2, 8, generator=g) for _ in range(2))

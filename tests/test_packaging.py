@@ -43,7 +43,8 @@ def test_the_wheel_holds_the_package_alone(dists):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"axolotl_fastqwen", "axolotl_fastqwen-0.1.0.dist-info"}, tops
-    assert "axolotl_fastqwen/integration/plugin.py" in names and "axolotl_fastqwen/bench/run.py" in names
+    assert "axolotl_fastqwen/integration/plugin.py" in names and "axolotl_fastqwen/diagnostics/doctor.py" in names
+    assert not [n for n in names if "bench" in n], "the benchmark is not part of the installed package"
     entry_points = zipfile.ZipFile(wheel).read("axolotl_fastqwen-0.1.0.dist-info/entry_points.txt").decode()
     assert "[axolotl.plugins]" in entry_points and "axolotl_fastqwen = axolotl_fastqwen:FastQwenPlugin" in entry_points
 

@@ -15,9 +15,9 @@ import torch
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.boundaries import BoundaryError
 from axolotl_fastqwen.families import UnsupportedModelError
-from axolotl_fastqwen.kernels import KernelUnavailableError
+from axolotl_fastqwen.kernel_choice import KernelUnavailableError
 from axolotl_fastqwen.packing import PackedCollator
-from axolotl_fastqwen.stock import stock_torch_kernels
+from axolotl_fastqwen.transformers_functions import stock_torch_kernels
 from tiny_assets import build_tiny_model
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -194,7 +194,7 @@ def test_lora_input_upcast_is_skipped_only_under_autocast_and_changes_no_bit(mon
     autocast they keep it (fp32 weights need it); unpatching leaves peft's setting as it was."""
     from peft import LoraConfig, get_peft_model
 
-    from axolotl_fastqwen import adapters
+    from axolotl_fastqwen.patching import lora_input_cast as adapters
 
     targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(model_for("qwen3_5").to(torch.bfloat16),
@@ -405,7 +405,7 @@ def test_unpatch_restores_every_global_the_patch_touched(monkeypatch):
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import layer as lora_layer
 
-    from axolotl_fastqwen.kernels import hopper_guard
+    from axolotl_fastqwen.kernel_choice import hopper_guard
 
     chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
     monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
@@ -450,7 +450,7 @@ def test_selfcheck_dtype_is_what_the_kernels_receive_under_qlora_style_dtypes():
     `kernel_input_dtype` back to `conv1d.weight.dtype` and this fails."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    from axolotl_fastqwen.decoder_hook import check_shapes, kernel_input_dtype
+    from axolotl_fastqwen.patching.decoder_hook import check_shapes, kernel_input_dtype
     from axolotl_fastqwen.families.base import unwrap
 
     model = model_for("qwen3_5").to(torch.bfloat16)

@@ -16,10 +16,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 
-from axolotl_fastqwen import registry, stock  # noqa: E402
-from axolotl_fastqwen.stock import stock_torch_kernels  # noqa: E402
+from axolotl_fastqwen import registry  # noqa: E402
+from axolotl_fastqwen import transformers_functions as stock  # noqa: E402
+from axolotl_fastqwen.transformers_functions import stock_torch_kernels  # noqa: E402
 import tiny_assets as ta  # noqa: E402
-from axolotl_fastqwen.bench.shapes import scaled_mrope_section  # noqa: E402
+from tiny_assets import scaled_mrope_section  # noqa: E402
 
 ALL_MODELS = ta.FAMILIES + tuple(ta.VL_FAMILIES)
 

@@ -7,7 +7,8 @@ inside a function (a lazy import is still a dependency), except those under `if 
 so does any string literal that is exactly the dotted name of a package module (what
 `importlib.import_module` lists and plugin tables hold). `--type-checking` counts the imports under
 `if TYPE_CHECKING:` too. A cycle is a strongly connected component of more than one module. Used
-by tests/test_package_structure.py and for the numbers in the closing note of issue 16.
+by tests/test_package_structure.py and for the numbers in the closing notes of issues 16 and 33
+(modules, lines, the largest module, functions over 80 lines, cycles, imports running up the floors).
 """
 
 from __future__ import annotations
@@ -124,6 +125,57 @@ def lines(root: Path) -> dict[str, int]:
     return {module_name(root, p): len(p.read_text().splitlines()) for p in sorted(root.rglob("*.py"))}
 
 
+# The package's rooms (top-level modules and subpackages), bottom floor first: a module imports only
+# from its own room or from a room on a lower floor (tests/test_package_structure.py). A new room
+# must be given a floor here.
+FLOORS = (
+    ("hookspecs", "devices", "boundaries", "report_text"),  # no import of the package's own
+    ("families", "ops", "packing"),  # what a model family is; one module per op; the packer
+    ("registry",),  # built-in and installed families and kernels (pluggy)
+    ("transformers_functions", "memory"),  # transformers' own functions; activation memory
+    ("layers",),  # the replacement forwards
+    ("kernel_choice",),  # a kernel per op, proven by the self-check
+    ("patching",),  # patch_model and what runs once per forward
+    ("integration", "diagnostics"),  # Axolotl's room; doctor
+    ("__init__", "__main__"),
+)
+
+
+def room(module: str) -> str:
+    """The room of `axolotl_fastqwen.a.b`: `a` (`__init__` for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def floor_of(module: str, floors=FLOORS) -> int | None:
+    return next((i for i, rooms in enumerate(floors) if room(module) in rooms), None)
+
+
+def upward_imports(edges: dict[str, set[str]], floors=FLOORS) -> list[tuple[str, str]]:
+    """Imports between rooms that do not run down the floors (a room without a floor counts as up)."""
+    out = []
+    for source, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            if room(source) == room(target):
+                continue
+            a, b = floor_of(source, floors), floor_of(target, floors)
+            if a is None or b is None or a <= b:
+                out.append((source, target))
+    return out
+
+
+def long_functions(root: Path, limit: int = 80) -> list[tuple[str, str, int]]:
+    """(module, function, lines) of every function longer than `limit` lines."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    out.append((module_name(root, path), node.name, length))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
     type_checking = "--type-checking" in args
@@ -131,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args[0]) if args else Path(__file__).resolve().parent.parent / "axolotl_fastqwen"
     edges = graph(root, type_checking)
     size = lines(root)
-    print(json.dumps({"modules": len(edges), "lines": sum(size.values()), "cycles": cycles(edges)}, indent=2))
+    largest = max(size, key=size.get)
+    print(json.dumps({"modules": len(edges), "lines": sum(size.values()), "largest": [largest, size[largest]],
+                      "functions_over_80_lines": long_functions(root), "cycles": cycles(edges),
+                      "upward_imports": upward_imports(edges)}, indent=2))
     return 0
 
 

@@ -12,7 +12,7 @@ the CPU demo needs is generated here, deterministically, from code:
   like real SFT data), so a packer has something to pack.
 * ``write_assets(out_dir)``: all of the above as ``base_model:``-ready folders plus a MANIFEST.
 
-Stock (unpatched) forwards on CPU need ``axolotl_fastqwen.stock.stock_torch_kernels``: fla is
+Stock (unpatched) forwards on CPU need ``axolotl_fastqwen.transformers_functions.stock_torch_kernels``: fla is
 installed here and transformers picks it even on CPU, where it crashes.
 
 CLI: ``python tools/tiny_assets.py --out .assets [--force]`` (tools/setup.sh runs it). Tests import
@@ -92,9 +92,75 @@ CHAT_TEMPLATE = (
 )
 
 # ---------------------------------------------------------------------------------------------
-# Models: the toy sizes of axolotl_fastqwen.bench.shapes (one definition for the bench's tiny
-# shapes and these test models); class names from each family's description.
+# Models: toy sizes (one definition for these test models and the benchmark's tiny shapes); class
+# names from each family's description.
 # ---------------------------------------------------------------------------------------------
+# Toy-size models: the real architectures at hidden 64. The test models below and the benchmark's
+# toy shapes (fastqwen_bench/shapes.py, CPU smoke runs) are built from these numbers.
+TOY_TEXT = dict(
+    hidden_size=64,
+    # Gated full attention, GQA 4 q / 2 kv. head_dim 32 -> rotary dim 8 -> 4 frequencies, the
+    # smallest size at which all three interleaved MRoPE sections (T, H, W) are non-empty.
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    # Gated DeltaNet with grouped value heads (2 v per k; the 27B has 48 v / 16 k).
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=32768,
+    # ~1/sqrt(hidden): every sub-layer contributes O(1) to the residual stream, so a kernel bug
+    # in any layer shows in the logits (the 0.02 default leaves a 64-wide model nearly linear).
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+TOY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+TOY_VOCAB = 512
+REAL_MROPE_SECTION = (11, 11, 10)
+
+
+def scaled_mrope_section(rotary_dim: int, real: tuple[int, ...] = REAL_MROPE_SECTION) -> list[int]:
+    """Scale the real [11, 11, 10] section to ``rotary_dim // 2`` frequencies (largest remainder).
+
+    The text rotary embedding interleaves T/H/W over ``rotary_dim // 2`` frequencies using the
+    section lengths, so their sum must match the toy rotary dim or the model will not run.
+    """
+    n_freq = rotary_dim // 2
+    if n_freq < 1:
+        raise ValueError(f"rotary_dim {rotary_dim} has no frequencies")
+    total = sum(real)
+    exact = [s * n_freq / total for s in real]
+    section = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(real)), key=lambda i: (-(exact[i] - section[i]), i))
+    for i in by_remainder[: n_freq - sum(section)]:
+        section[i] += 1
+    return section
+
+
+def toy_config(family: str, *, vocab_size: int = TOY_VOCAB, num_hidden_layers: int = 4, **overrides):
+    """A toy-size text config of `family` with the real layer pattern (3 GDN : 1 full attention).
+
+    `overrides` replace any field. Unless `rope_parameters` is overridden, the MRoPE section is
+    recomputed from the final head_dim, so overriding the head size keeps it valid."""
+    import transformers
+
+    fam = registry.family(family)
+    kwargs = dict(TOY_TEXT, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers)
+    if fam.moe:
+        kwargs.update(TOY_MOE)
+    kwargs.update(dict(fam.toy))
+    kwargs.update(overrides)
+    if "rope_parameters" not in overrides:
+        partial = kwargs.pop("partial_rotary_factor", 0.25)
+        rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": partial}
+        if fam.mrope:
+            rope.update(mrope_section=scaled_mrope_section(int(kwargs["head_dim"] * partial)), mrope_interleaved=True)
+        kwargs["rope_parameters"] = rope
+    return getattr(transformers, fam.text_config)(**kwargs)
+
+
 def _check_family(family: str, allowed: tuple[str, ...] = FAMILIES) -> None:
     if family not in allowed:
         raise ValueError(f"unknown family {family!r}; expected one of {allowed}")
@@ -104,10 +170,9 @@ def tiny_config(
     family: str, *, vocab_size: int = TOKENIZER_VOCAB_SIZE, num_hidden_layers: int = 4, **overrides
 ):
     """A tiny TEXT config of ``family`` with the real layer pattern (3 GDN : 1 full attention):
-    ``axolotl_fastqwen.bench.shapes.toy_config`` with the tiny tokenizer's token ids (set only for
-    the tokenizer's own vocabulary size). ``overrides`` replace any config field."""
+    ``toy_config`` with the tiny tokenizer's token ids (set only for the tokenizer's own vocabulary
+    size). ``overrides`` replace any config field."""
     _check_family(family)
-    from axolotl_fastqwen.bench.shapes import toy_config
 
     ids = {}
     if vocab_size == TOKENIZER_VOCAB_SIZE:

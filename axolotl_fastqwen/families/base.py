@@ -68,7 +68,7 @@ class Family:
     mrope: bool = True  # interleaved multimodal RoPE sections in the text rotary (Qwen3.5)
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # each decoder layer's RMSNorms
     rms_norm: str | None = None  # the zero-centred RMSNorm class (decoder, q/k and final norms), run by the rms_norm op
-    shapes: tuple[PublishedShape, ...] = ()  # released model sizes (bench/shapes.py)
+    shapes: tuple[PublishedShape, ...] = ()  # released model sizes (diagnostics/model_shapes.py)
     toy: tuple[tuple[str, object], ...] = ()  # config fields the toy-size model of this family adds
 
     @property

@@ -9,14 +9,14 @@ from collections.abc import Callable
 
 from transformers import TrainerCallback
 
-from ..checkpointing import CheckpointFitter, memory_of
+from ..memory.checkpoint_fitter import CheckpointFitter, memory_of
 from ..devices import training_device
 
 LOG = logging.getLogger("axolotl_fastqwen")
 
 
 class FitCheckpointing(TrainerCallback):
-    """Runs a `CheckpointFitter` (checkpointing.py). Built at train begin: the Trainer turns
+    """Runs a `CheckpointFitter` (memory/checkpoint_fitter.py). Built at train begin: the Trainer turns
     gradient checkpointing on just before it. `fitter` is read by the report."""
 
     def __init__(self, memory_fraction: float):

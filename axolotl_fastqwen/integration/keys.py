@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from ..checkpointing import DEFAULT_CHECKPOINTING_MEMORY
+from ..memory.checkpoint_fitter import DEFAULT_CHECKPOINTING_MEMORY
 
 
 def _about(text: str) -> dict:

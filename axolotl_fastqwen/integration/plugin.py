@@ -22,9 +22,9 @@ from axolotl.integrations.base import BasePlugin
 from .. import registry
 from ..devices import training_device
 from ..families.base import UnsupportedModelError
-from ..kernels import KernelUnavailableError
-from ..patching import patch_model
-from ..report import REPORT_FILE
+from ..kernel_choice import KernelUnavailableError
+from ..patching.patch import patch_model
+from ..report_text import REPORT_FILE
 from . import axolotl_options
 from .bare_name import BARE_NAME, alias_bare_name
 from .callbacks import FitCheckpointing, KeepReport

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..report import REPORT_FILE, format_packing, format_report, format_settings
+from ..report_text import REPORT_FILE, format_packing, format_report, format_settings
 
 
 def candidates(target: Path) -> tuple[list[Path], str]:

@@ -265,43 +265,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         TOKEN_BUDGET_MULTIPLE
     user_rows = _user_rows(cfg)
 
-    # ---- packing --------------------------------------------------------------------------
-    explicit = cfg.get("fastqwen_packing")
-    blockers = _blockers(cfg)
-    if explicit is False:
-        rows: Rows = user_rows
-        pack_eval = False
-        if user_rows == "multipack":
-            notes.append("fastqwen_packing: false: Axolotl's multipack rows, their boundaries read exactly from its "
-                         "attention_mask ids")
-    elif blockers:
-        key, why = blockers[0]
-        if explicit is True:
-            raise ConfigError(
-                f"`fastqwen_packing: true` with `{key}`", f"The plugin's packer cannot run here: {why}.",
-                instead="Either drop `fastqwen_packing: true` (the plugin then leaves the rows to Axolotl, with its "
-                        f"fused kernels still on), or remove `{key}`.",
-                paste=["fastqwen_packing: false"])
-        rows, pack_eval = user_rows, False
-        decisions.append(Decision("fastqwen_packing", f"off, the rows are {_describe_rows(user_rows)}",
-                                  f"`{key}` is set: {why}; the fused kernels still run"))
-    else:
-        rows = "fastqwen"
-        eval_wanted = cfg.get("eval_sample_packing")
-        pack_eval = eval_wanted is not False
-        for key, what in PACKER_TAKES_OVER.items():
-            if _on(cfg.get(key)):
-                edits[key] = False
-                decisions.append(Decision(f"{key}: true", f"{what} replaced by the plugin's packer",
-                                          _takeover_why(budget, sequence_len, micro_batch_size)))
-        if eval_wanted is not None or user_rows == "multipack":
-            edits["eval_sample_packing"] = False  # Axolotl must not build multipack eval rows: the packer's run
-        if eval_wanted is False:
-            decisions.append(Decision("eval_sample_packing: false", "kept: evaluation runs on Axolotl's padded "
-                                      "batches", "the packer packs the training rows only"))
-        elif _on(eval_wanted):
-            decisions.append(Decision("eval_sample_packing: true", "Axolotl's multipack replaced by the plugin's "
-                                      "packer", "evaluation rows are packed like the training rows"))
+    rows, pack_eval = _packing(cfg, user_rows, budget, sequence_len, micro_batch_size, decisions, notes, edits)
 
     # ---- attention ---------------------------------------------------------------------------
     attn = cfg.get("attn_implementation") or ("flash_attention_2" if _on(cfg.get("flash_attention")) else None)
@@ -333,7 +297,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     loss_owner = None if fused_ce else next((k for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
                                              if k in options), None)
     settings = Settings(
-        rows=rows, pack_eval=pack_eval and rows == "fastqwen", token_budget=budget, overlong=args.fastqwen_overlong,
+        rows=rows, pack_eval=pack_eval, token_budget=budget, overlong=args.fastqwen_overlong,
         sequence_len=sequence_len, micro_batch_size=micro_batch_size, user_rows=user_rows,
         step_count_fixed=_on(cfg.get("max_steps")), warmup_steps=cfg.get("warmup_steps"),
         warmup_ratio=cfg.get("warmup_ratio"), kernels=args.fastqwen_kernels,
@@ -344,6 +308,45 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
         output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))
     return settings, edits
+
+
+def _packing(cfg: Mapping, user_rows: Rows, budget: int, sequence_len: int, micro_batch_size: int,
+             decisions: list, notes: list, edits: dict) -> tuple[Rows, bool]:
+    """What makes the training rows and whether the packer packs evaluation too; the keys it takes
+    over are turned off (`edits`), and every decision is written down."""
+    explicit = cfg.get("fastqwen_packing")
+    blockers = _blockers(cfg)
+    if explicit is False:
+        if user_rows == "multipack":
+            notes.append("fastqwen_packing: false: Axolotl's multipack rows, their boundaries read exactly from its "
+                         "attention_mask ids")
+        return user_rows, False
+    if blockers:
+        key, why = blockers[0]
+        if explicit is True:
+            raise ConfigError(
+                f"`fastqwen_packing: true` with `{key}`", f"The plugin's packer cannot run here: {why}.",
+                instead="Either drop `fastqwen_packing: true` (the plugin then leaves the rows to Axolotl, with its "
+                        f"fused kernels still on), or remove `{key}`.",
+                paste=["fastqwen_packing: false"])
+        decisions.append(Decision("fastqwen_packing", f"off, the rows are {_describe_rows(user_rows)}",
+                                  f"`{key}` is set: {why}; the fused kernels still run"))
+        return user_rows, False
+    eval_wanted = cfg.get("eval_sample_packing")
+    for key, what in PACKER_TAKES_OVER.items():
+        if _on(cfg.get(key)):
+            edits[key] = False
+            decisions.append(Decision(f"{key}: true", f"{what} replaced by the plugin's packer",
+                                      _takeover_why(budget, sequence_len, micro_batch_size)))
+    if eval_wanted is not None or user_rows == "multipack":
+        edits["eval_sample_packing"] = False  # Axolotl must not build multipack eval rows: the packer's run
+    if eval_wanted is False:
+        decisions.append(Decision("eval_sample_packing: false", "kept: evaluation runs on Axolotl's padded "
+                                  "batches", "the packer packs the training rows only"))
+    elif _on(eval_wanted):
+        decisions.append(Decision("eval_sample_packing: true", "Axolotl's multipack replaced by the plugin's "
+                                  "packer", "evaluation rows are packed like the training rows"))
+    return "fastqwen", eval_wanted is not False
 
 
 def _describe_rows(rows: Rows) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..boundaries import BOUNDARIES_KWARG, cache_of
-from ..lean_activations import recomputable
+from ..memory.lean_activations import recomputable
 
 
 def attention_forward(self, hidden_states, position_embeddings, *args, **kwargs):

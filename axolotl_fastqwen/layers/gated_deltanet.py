@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..boundaries import BOUNDARIES_KWARG, cache_of
-from ..lean_activations import recomputable
-from ..stock import stock_kernels_on_cpu
+from ..memory.lean_activations import recomputable
+from ..transformers_functions import stock_kernels_on_cpu
 
 
 def gated_deltanet_forward(self, hidden_states: torch.Tensor, **kwargs):

@@ -8,10 +8,13 @@ which kernel selection calls for a CUDA device alone. Import is still not enough
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import shutil
+import subprocess
 
 import torch
 
@@ -107,3 +110,21 @@ def versions() -> dict[str, str | None]:
         out["gpu"] = torch.cuda.get_device_name()
         out["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     return out
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver, from nvidia-smi, else NVML (torch does not expose it)."""
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(Exception):
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            )
+            return out.stdout.strip().splitlines()[0]
+    with contextlib.suppress(Exception):
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    return None

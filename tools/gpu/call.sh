@@ -21,35 +21,35 @@ for stage in ${STAGES:-tests}; do
         python3 -m pytest -q tests/test_gpu_kernels.py -k "${FIT_K:-checkpoint_fitter or experts_selfcheck}" -p no:cacheprovider -rs > "$RES/pytest_fit.log" 2>&1
       tail -8 "$RES/pytest_fit.log" ;;
     bench64) # issue 12: the 27B shape at full depth against Axolotl's best configuration
-      timeout "${BENCH_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-27b --gc --paths "${BENCH_PATHS:-d,e,f,j}" --steps 3 --warmup 1 \
+      timeout "${BENCH_S:-330}" python3 -m fastqwen_bench bench --model qwen3.5-27b --gc --paths "${BENCH_PATHS:-d,e,f,j}" --steps 3 --warmup 1 \
         --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" --out "$RES/l64" > "$RES/l64.log" 2>&1
       tail -30 "$RES/l64.log" ;;
     bench64:*) # a variant of bench64: `bench64:<tag>` runs ARGS_<tag> (extra bench arguments, e.g.
                # "--paths l --allocator default") into $RES/l64_<tag>
       tag="${stage#bench64:}"; eval "extra=\${ARGS_${tag}:-}"
-      timeout "${BENCH_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-27b --gc --steps 3 --warmup 1 \
+      timeout "${BENCH_S:-330}" python3 -m fastqwen_bench bench --model qwen3.5-27b --gc --steps 3 --warmup 1 \
         --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" $extra \
         --out "$RES/l64_$tag" > "$RES/l64_$tag.log" 2>&1
       tail -12 "$RES/l64_$tag.log" ;;
     moe40)   # issue 13: Qwen3.5-35B-A3B at full depth
-      timeout "${MOE_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-35b-a3b --gc --paths "${MOE_PATHS:-i,e,f}" --steps 3 --warmup 1 \
+      timeout "${MOE_S:-330}" python3 -m fastqwen_bench bench --model qwen3.5-35b-a3b --gc --paths "${MOE_PATHS:-i,e,f}" --steps 3 --warmup 1 \
         --max-path-seconds "${PATH_S:-120}" --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" ${MOE_ARGS:-} --out "$RES/moe40" > "$RES/moe40.log" 2>&1
       tail -30 "$RES/moe40.log" ;;
     moe40:*) # a variant of moe40: `moe40:<tag>` runs ARGS_<tag> (bench arguments incl. --paths) into $RES/moe40_<tag>
       tag="${stage#moe40:}"; eval "extra=\${ARGS_${tag}:-}"
-      timeout "${MOE_S:-330}" python3 -m axolotl_fastqwen bench --model qwen3.5-35b-a3b --gc --steps 3 --warmup 1 \
+      timeout "${MOE_S:-330}" python3 -m fastqwen_bench bench --model qwen3.5-35b-a3b --gc --steps 3 --warmup 1 \
         --max-path-seconds "${PATH_S:-120}" --max-total-seconds "$(( ${MOE_S:-330} - 40 ))" $extra \
         --out "$RES/moe40_$tag" > "$RES/moe40_$tag.log" 2>&1
       tail -14 "$RES/moe40_$tag.log" ;;
     moe80)   # issue 13: Qwen3-Next-80B-A3B cut to the depth that fits one H200 (MOE80_LAYERS, default 24 of 48)
-      timeout "${MOE80_S:-300}" python3 -m axolotl_fastqwen bench --model qwen3-next-80b-a3b --layers "${MOE80_LAYERS:-24}" --gc \
+      timeout "${MOE80_S:-300}" python3 -m fastqwen_bench bench --model qwen3-next-80b-a3b --layers "${MOE80_LAYERS:-24}" --gc \
         --paths "${MOE80_PATHS:-m,f}" --steps 3 --warmup 1 --max-path-seconds "${PATH_S:-120}" \
         --max-total-seconds "$(( ${MOE80_S:-300} - 40 ))" ${MOE80_ARGS:-} --out "$RES/moe80" > "$RES/moe80.log" 2>&1
       tail -30 "$RES/moe80.log" ;;
     profile64) # issue 12 §2 / issue 13 §1: kernel time by category at full depth, one path (PROFILE_PATH, default
                # the plugin's) of one shape (PROFILE_MODEL, default the 27B; MoE shapes add router / experts),
                # PROFILE_ARGS extra arguments (e.g. --lora-experts)
-      timeout "${PROFILE_S:-150}" python3 -m axolotl_fastqwen profile --model "${PROFILE_MODEL:-qwen3.5-27b}" --gc --path "${PROFILE_PATH:-fastqwen}" \
+      timeout "${PROFILE_S:-150}" python3 -m fastqwen_bench profile --model "${PROFILE_MODEL:-qwen3.5-27b}" --gc --path "${PROFILE_PATH:-fastqwen}" \
         --steps 2 --warmup 1 --top 30 --no-trace ${PROFILE_ARGS:-} --out "$RES/prof64" > "$RES/prof64.log" 2>&1
       tail -30 "$RES/prof64.log" ;;
     *) echo "unknown stage $stage" ;;

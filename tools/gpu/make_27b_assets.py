@@ -5,7 +5,7 @@ Writes, under --out:
 * ``qwen3_5-27b-L<layers>/``: a ``Qwen3_5ForConditionalGeneration`` checkpoint (model_type
   ``qwen3_5``, as the real Qwen/Qwen3.5-27B: Axolotl's LoRA kernels look the attention class up by
   model_type and fail on ``qwen3_5_text``) with the published 27B text shapes
-  (``axolotl_fastqwen.bench.shapes``: hidden 5120, MLP 17408, 24 q / 4 kv heads of 256, GDN 16 key /
+  (``fastqwen_bench.shapes``: hidden 5120, MLP 17408, 24 q / 4 kv heads of 256, GDN 16 key /
   48 value heads of 128, conv 4, vocab 248,320 untied, 3 GDN : 1 full attention, partial rotary
   0.25, interleaved MRoPE [11, 11, 10], theta 1e7) cut to ``--layers`` decoder layers, the vision
   tower at transformers' Qwen3.5 defaults (27 blocks of 1152, merger to 5120; frozen, unused by
@@ -59,7 +59,7 @@ if str(REPO) not in sys.path:
 def text_config(layers: int, tiny: bool, vocab_size: int):
     import transformers
 
-    from axolotl_fastqwen.bench.shapes import SHAPES, layer_types
+    from axolotl_fastqwen.diagnostics.model_shapes import SHAPES, layer_types
     ta = _tiny_assets()
 
     ids = dict(eos_token_id=ta.EOS_TOKEN_ID, pad_token_id=ta.PAD_TOKEN_ID, bos_token_id=None)
@@ -102,7 +102,7 @@ def write_checkpoint(out: Path, config, device: str, seed: int, dtype_name: str)
     import torch
     import transformers
 
-    from axolotl_fastqwen.bench.shapes import _no_init, init_weights_
+    from fastqwen_bench.shapes import _no_init, init_weights_
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     started = time.perf_counter()

@@ -55,7 +55,7 @@ PROBE = "train_probe.TrainProbePlugin"
 FLA_GUARD = "fla_hopper_guard.LiftFlaHopperGuardPlugin"
 
 sys.path.insert(0, str(REPO))
-from axolotl_fastqwen.bench.axolotl_best import SPEED_OPTIONS  # noqa: E402 (one list: the bench's axolotl-best)
+from fastqwen_bench.axolotl_best import SPEED_OPTIONS  # noqa: E402 (one list: the bench's axolotl-best)
 
 AXOLOTL_FAST = {"sample_packing": True, **SPEED_OPTIONS, "liger_fused_linear_cross_entropy": True}
 RISKY = ("fused_attn_kernel", "liger_rms_norm_gated")  # dropped by the *-safe variants

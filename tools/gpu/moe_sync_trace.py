@@ -22,8 +22,8 @@ import warnings
 import torch
 
 from axolotl_fastqwen import patch_model
-from axolotl_fastqwen.bench import data
-from axolotl_fastqwen.bench.shapes import build_config, build_model, get_shape, lora_targets
+from fastqwen_bench import data
+from fastqwen_bench.shapes import build_config, build_model, get_shape, lora_targets
 
 KEEP = ("transformers/", "peft/", "fla/", "liger_kernel/", "axolotl_fastqwen/", "torch/nn/", "torch/utils/checkpoint")
 

@@ -3,7 +3,7 @@
 Loaded with `-p fastqwen_hf_plugin` (this folder on PYTHONPATH) by `run.sh`:
 
     --fastqwen-mode=stock    transformers' PyTorch kernel fallbacks forced for the whole session
-                             (`axolotl_fastqwen.stock.stock_torch_kernels`): fla is importable here
+                             (`axolotl_fastqwen.transformers_functions.stock_torch_kernels`): fla is importable here
                              and its Triton kernels crash on CPU.
     --fastqwen-mode=patched  the same, and every model of the qwen3_5 / qwen3_5_moe / qwen3_next
                              modeling modules that a test constructs (directly, `_from_config`,
@@ -125,7 +125,7 @@ def _uninstall_patching() -> None:
 
 
 def pytest_configure(config):
-    from axolotl_fastqwen.stock import stock_torch_kernels
+    from axolotl_fastqwen.transformers_functions import stock_torch_kernels
 
     config._fastqwen_mode = config.getoption("--fastqwen-mode")
     _stack.enter_context(stock_torch_kernels())

@@ -38,12 +38,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..families.base import unwrap
-from .. import registry
-from . import cpu_fla
-from .axolotl_import import axolotl_modules
-from .common import PathSkipped
-from .restore import Undo, changed_in_module, snapshot_module
+from axolotl_fastqwen.families.base import unwrap
+from axolotl_fastqwen import registry
+from fastqwen_bench import cpu_fla
+from fastqwen_bench.axolotl_import import axolotl_modules
+from fastqwen_bench.common import PathSkipped
+from fastqwen_bench.restore import Undo, changed_in_module, snapshot_module
 
 LOSSES = ("liger", "cce")
 LORA_KERNELS = "axolotl.monkeypatch.lora_kernels"
@@ -510,7 +510,7 @@ class _Setup:
                            "bench: meta-device skeleton of the model class, its modules of replaced classes moved "
                            "in with the old modules' parameters and children")
         try:
-            from .shapes import _no_init
+            from fastqwen_bench.shapes import _no_init
 
             with torch.device("meta"), _no_init():
                 skeleton = type(self.base)(copy.deepcopy(self.base.config))

@@ -11,8 +11,8 @@ import logging
 
 import torch
 
-from .boundaries import Boundaries
-from .ops.linear_cross_entropy import IGNORE_INDEX
+from ..boundaries import Boundaries
+from ..ops.linear_cross_entropy import IGNORE_INDEX
 
 LOG = logging.getLogger("axolotl_fastqwen")
 

@@ -19,12 +19,11 @@ import torch
 
 from .. import registry
 from ..devices import from_arg
-from ..experts import registered_implementations
-from ..kernels import CheckShapes, hopper_guard, select_kernels, selfcheck
+from ..layers.experts_implementation import registered_implementations
+from ..kernel_choice import CheckShapes, hopper_guard, select_kernels, selfcheck
 from ..ops import availability
-from ..stock import resolved_kernel
-from . import measure
-from .shapes import DEFAULT_SHAPE, SHAPES, build_config, get_shape
+from ..transformers_functions import resolved_kernel
+from .model_shapes import DEFAULT_SHAPE, SHAPES, build_config, get_shape
 
 
 
@@ -72,9 +71,9 @@ def _experts_selfcheck(shape, device: torch.device) -> dict[str, str]:
     """MoE shapes: the experts self-check of the first GPU forward, run now on one experts module at
     the shape (what the plugin runs where transformers would run `grouped_mm`); a CPU says when
     it would run."""
-    from ..kernels.experts_check import selfcheck_experts
-    from ..layers.experts import GROUPED, register
-    from .shapes import build_experts
+    from ..kernel_choice.experts_selfcheck import selfcheck_experts
+    from ..layers.grouped_experts import GROUPED, register
+    from .model_shapes import build_experts
 
     if device.type != "cuda":
         return {"selfcheck": "runs on the first GPU forward of an MoE model (the load report gives its result)"}
@@ -142,7 +141,7 @@ def known_problems(device: torch.device, versions: dict) -> list[dict]:
                 add("bad", "transformers on CPU",
                     f"{module} resolved its gated delta rule to {chosen} at import although there is no GPU: the "
                     "stock forward crashes here ('0 active drivers'). The plugin's layers route around it; "
-                    "stock baselines need axolotl_fastqwen.stock.stock_torch_kernels().")
+                    "stock baselines need axolotl_fastqwen.transformers_functions.stock_torch_kernels().")
                 break
     # causal-conv1d without its CUDA extension
     cc_dist = _dist_version("causal-conv1d")
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     device = from_arg(args.device)
     versions = availability.versions()
-    versions["driver"] = measure.driver_version()
+    versions["driver"] = availability.driver_version()
     versions["python"] = sys.version.split()[0]
     findings: dict = {"device": str(device), "versions": versions}
     print("axolotl_fastqwen doctor", flush=True)

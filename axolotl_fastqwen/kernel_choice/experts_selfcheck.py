@@ -1,8 +1,8 @@
 """The routed experts' implementation proven on this GPU, at the model's expert shapes.
 
 transformers dispatches the experts by `config._experts_implementation` (its default on a GPU is
-`grouped_mm`, which the plugin replaces by its `fastqwen_grouped`, `layers/experts.py`; Axolotl's
-kernels plugin registers `scattermoe`; `experts.py` says who runs them). Like every kernel the plugin chooses,
+`grouped_mm`, which the plugin replaces by its `fastqwen_grouped`, `layers/grouped_experts.py`; Axolotl's
+kernels plugin registers `scattermoe`; `experts_implementation.py` says who runs them). Like every kernel the plugin chooses,
 the implementation that will train is run once before the first step, forward and backward, on the
 first `CHECK_EXPERTS` experts of the model's first experts module (its own weights, its hidden and
 intermediate sizes, its top-k) and compared with transformers' eager loop in fp32 (for
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..experts import experts_implementation, experts_modules, set_experts_implementation
-from ..layers.experts import GROUPED, ExpertLora, grouped_experts_forward, register
+from ..layers.experts_implementation import experts_implementation, experts_modules, set_experts_implementation
+from ..layers.grouped_experts import GROUPED, ExpertLora, grouped_experts_forward, register
 from .selfcheck import TOLERANCE, rel_err
 
 LOG = logging.getLogger("axolotl_fastqwen")

@@ -1,7 +1,7 @@
 """The decoder's forward pre-hook: what is decided once per forward, before the first layer.
 
-In order: the GPU self-check (first forward only), peft's LoRA input cast (`adapters.py`) and its
-expert LoRA run factored (`expert_adapters.py`), the batch-shape record for the report, then the
+In order: the GPU self-check (first forward only), peft's LoRA input cast (`lora_input_cast.py`) and its
+expert LoRA run factored (`expert_lora.py`), the batch-shape record for the report, then the
 boundaries (`boundaries.resolve`) and what follows from them: one boundaries object for every
 layer, no 4-D masks (the varlen kernels need none) and no cache on a packed row (it is not a
 prefix to continue: an empty cache object passed in is ignored with a warning, a filled one
@@ -15,14 +15,14 @@ import logging
 import torch
 from torch import nn
 
-from .adapters import LoraInputCast
-from .boundaries import (
+from .lora_input_cast import LoraInputCast
+from ..boundaries import (
     BOUNDARIES_KWARG, CACHE_KWARGS, HOST_CU_SEQLENS_KWARG, PADDING_SEGMENTS_KWARG, BoundaryError, cache_of, resolve,
 )
-from .expert_adapters import ExpertAdapters
+from .expert_lora import ExpertAdapters
 from .forward_context import ForwardContext
-from .kernels import CheckShapes, selfcheck
-from .kernels.experts_check import selfcheck_experts
+from ..kernel_choice import CheckShapes, selfcheck
+from ..kernel_choice.experts_selfcheck import selfcheck_experts
 
 LOG = logging.getLogger("axolotl_fastqwen")
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .experts import EXPERT_WEIGHTS, experts_implementation, is_experts
-from .layers.experts import GROUPED, RANK_MULTIPLE, ExpertLora, grouped_experts_forward, supports
+from ..layers.experts_implementation import EXPERT_WEIGHTS, experts_implementation, is_experts
+from ..layers.grouped_experts import GROUPED, RANK_MULTIPLE, ExpertLora, grouped_experts_forward, supports
 
 
 def _param_wrapper_class():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..stock import modeling_module, torch_fallback
+from axolotl_fastqwen.transformers_functions import modeling_module, torch_fallback
 
 NAMES = ("fla_causal_conv1d", "fla_chunk_gated_delta_rule")
 

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 def _refuse(name: str):
     def call(*args, **kwargs):
-        raise NotImplementedError(f"bitsandbytes.{name}: import-only stand-in (axolotl_fastqwen.bench)")
+        raise NotImplementedError(f"bitsandbytes.{name}: import-only stand-in (fastqwen_bench)")
 
     return call
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..packing import PackedBatchSampler, PackedCollator
+from axolotl_fastqwen.packing import PackedBatchSampler, PackedCollator
 
 IGNORE = -100
 PAD_ID = 0

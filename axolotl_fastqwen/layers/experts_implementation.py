@@ -3,7 +3,7 @@
 transformers dispatches each experts module's forward through its `ExpertsInterface` by
 `config._experts_implementation` at every call (eager, grouped_mm, batched_mm, ... or what an
 integration registered: Axolotl's KernelsPlugin registers `scattermoe`; the plugin registers
-`fastqwen_grouped`, `layers/experts.py`, and sets it where a model would run `grouped_mm`),
+`fastqwen_grouped`, `layers/grouped_experts.py`, and sets it where a model would run `grouped_mm`),
 and a kernel library may replace the class outright (Liger's `LigerExperts` on qwen3_next). Which
 one runs is therefore only known from the model as it trains, and it can change after load
 (`set_experts_implementation`), so the report reads it whenever it is written.

@@ -13,8 +13,6 @@ import collections
 import contextlib
 import functools
 import os
-import shutil
-import subprocess
 import time
 
 import torch
@@ -196,24 +194,6 @@ def free_memory(device: torch.device) -> None:
 
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def driver_version() -> str | None:
-    """The NVIDIA driver, from nvidia-smi, else NVML (torch does not expose it)."""
-    if shutil.which("nvidia-smi"):
-        with contextlib.suppress(Exception):
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20,
-            )
-            return out.stdout.strip().splitlines()[0]
-    with contextlib.suppress(Exception):
-        import pynvml
-
-        pynvml.nvmlInit()
-        version = pynvml.nvmlSystemGetDriverVersion()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    return None
 
 
 def peak_matmul_tflops(device: torch.device, n: int | None = None, iters: int = 10) -> dict:

@@ -82,7 +82,7 @@ def _project(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offsets: t
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor, lora: dict[str, ExpertLora] | None = None) -> torch.Tensor:
     """transformers' experts contract: hidden (T, H), top-k indices and weights (T, k) -> (T, H).
-    `lora` maps "gate_up_proj" / "down_proj" to its factored adapter (see `expert_adapters`)."""
+    `lora` maps "gate_up_proj" / "down_proj" to its factored adapter (see `patching/expert_lora.py`)."""
     if not supports(self):
         if lora:
             raise ValueError(f"{type(self).__qualname__}: factored expert LoRA needs a gated, bias-free, "

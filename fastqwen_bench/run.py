@@ -1,4 +1,4 @@
-"""`python -m axolotl_fastqwen bench`: every training path, one model, one token stream, one process.
+"""`python -m fastqwen_bench bench`: every training path, one model, one token stream, one process.
 
 The model is built once (random weights, on the device); before each path the trainable weights
 are reset to the same seeded values and a fresh AdamW is made, so every path starts from the same
@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpointing import DEFAULT_CHECKPOINTING_MEMORY, FIT_STEPS, CheckpointFitter, memory_of
-from . import data, measure
-from .measure import TRITON
-from .paths import CHECKPOINTING_AUTO, LETTERS, PATHS, REFERENCE_PATHS, PathSkipped, installed, parse_paths
-from .shapes import DEFAULT_SHAPE, SHAPES, build_config, build_model, get_shape, init_weights_, linear_params
-from .shapes import lora_target_parameters, lora_targets, matmul_params_per_token
+from axolotl_fastqwen.memory.checkpoint_fitter import DEFAULT_CHECKPOINTING_MEMORY, FIT_STEPS, CheckpointFitter, memory_of
+from fastqwen_bench import data, measure
+from fastqwen_bench.measure import TRITON
+from fastqwen_bench.paths import CHECKPOINTING_AUTO, LETTERS, PATHS, REFERENCE_PATHS, PathSkipped, installed, parse_paths
+from fastqwen_bench.shapes import BENCH_SHAPES, DEFAULT_SHAPE, build_config, build_model, get_shape, init_weights_, linear_params
+from fastqwen_bench.shapes import lora_target_parameters, lora_targets, matmul_params_per_token
 
-SCHEMA = "axolotl_fastqwen.bench/1"
+SCHEMA = "fastqwen_bench/1"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -43,7 +43,7 @@ def log(*parts) -> None:
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_SHAPE, choices=sorted(SHAPES), help="named model shape")
+    p.add_argument("--model", default=DEFAULT_SHAPE, choices=sorted(BENCH_SHAPES), help="named model shape")
     p.add_argument("--layers", type=int, default=None, help="cut depth to N layers (3 GDN : 1 attention kept)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--lora", dest="full", action="store_false", help="LoRA r=16 alpha=32 (default)")
@@ -81,7 +81,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="axolotl-fastqwen bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastqwen_bench bench", description=__doc__.split("\n")[0])
     add_common_args(p)
     p.add_argument("--paths", default="all",
                    help="comma list of path names or letters: " + ", ".join(f"{k}={v}" for k, v in LETTERS.items())
@@ -139,7 +139,7 @@ class Setup:
 
 
 def resolve_device(args) -> tuple[torch.device, torch.dtype]:
-    from ..devices import from_arg
+    from axolotl_fastqwen.devices import from_arg
 
     device = from_arg(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype or "")
@@ -217,7 +217,7 @@ def prepare(args, steps_per_path: int) -> Setup:
     }
     experts = getattr(config, "num_experts", 0) or 0
     if experts:
-        from ..families.base import unwrap
+        from axolotl_fastqwen.families.base import unwrap
 
         info["experts_implementation_at_build"] = unwrap(model).config._experts_implementation
     return Setup(args, device, dtype, shape.family, config, model, trainable, workload, mbs, matmul, lora_params,
@@ -233,7 +233,7 @@ def use_autocast(args, device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def check_shapes(config, dtype: torch.dtype):
-    from ..kernels import CheckShapes
+    from axolotl_fastqwen.kernel_choice import CheckShapes
 
     return CheckShapes(
         key_heads=config.linear_num_key_heads, value_heads=config.linear_num_value_heads,
@@ -249,8 +249,8 @@ def fla_guard_decision(args, config, device: torch.device, dtype: torch.dtype) -
     for all paths alike, the way the plugin does: run the plugin's GPU self-check at this model's
     head dims; if fla's GDN passes with the guard lifted, the guard stays lifted for the whole run
     (its owner, this decision's kernel set, never releases it)."""
-    from ..kernels import hopper_guard, select_kernels, selfcheck
-    from ..ops.availability import version_of
+    from axolotl_fastqwen.kernel_choice import hopper_guard, select_kernels, selfcheck
+    from axolotl_fastqwen.ops.availability import version_of
 
     if device.type != "cuda" or not hopper_guard.active():
         return "not active"
@@ -341,7 +341,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
             if key in info:
                 record[key] = info[key]
         if "experts_implementation_at_build" in setup.info:
-            from ..families.base import unwrap
+            from axolotl_fastqwen.families.base import unwrap
 
             record["experts_implementation"] = unwrap(model).config._experts_implementation
         record["setup_seconds"] = round(time.perf_counter() - started, 2)
@@ -576,7 +576,7 @@ def _fmt(value, spec: str = "", none: str = "-") -> str:
 def markdown(result: dict) -> str:
     m, wl = result["model"], result["workload"]
     lines = [
-        f"# axolotl_fastqwen bench: {m['shape']} x{m['layers']} layers, {m['finetune']}"
+        f"# fastqwen_bench: {m['shape']} x{m['layers']} layers, {m['finetune']}"
         f"{' + gradient checkpointing' if m['gradient_checkpointing'] else ''}, {m['dtype']}"
         f"{' under autocast' if m.get('autocast') else ''}"
         f"{' (PARTIAL: run in progress or killed)' if result.get('partial') else ''}",
@@ -694,10 +694,10 @@ def write_outputs(result: dict, out: str, final: bool) -> None:
 
 
 def environment(device: torch.device) -> dict:
-    from ..ops.availability import versions
+    from axolotl_fastqwen.ops.availability import driver_version, versions
 
     v = versions()
-    v["driver"] = measure.driver_version() if device.type == "cuda" else None
+    v["driver"] = driver_version() if device.type == "cuda" else None
     v["python"] = sys.version.split()[0]
     return v
 

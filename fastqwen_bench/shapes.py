@@ -13,135 +13,39 @@ import functools
 import importlib
 import inspect
 import math
+import sys
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from .. import registry
-
-FULL_ATTENTION_EVERY = 4  # layers 3, 7, 11, ... are full attention; the rest Gated DeltaNet
-
-# Toy-size models (CPU smoke runs of the bench; tools/tiny_assets.py builds the test models from
-# the same numbers): the real architectures at hidden 64.
-TOY_TEXT = dict(
-    hidden_size=64,
-    # Gated full attention, GQA 4 q / 2 kv. head_dim 32 -> rotary dim 8 -> 4 frequencies, the
-    # smallest size at which all three interleaved MRoPE sections (T, H, W) are non-empty.
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    # Gated DeltaNet with grouped value heads (2 v per k; the 27B has 48 v / 16 k).
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=32768,
-    # ~1/sqrt(hidden): every sub-layer contributes O(1) to the residual stream, so a kernel bug
-    # in any layer shows in the logits (the 0.02 default leaves a 64-wide model nearly linear).
-    initializer_range=0.1,
-    tie_word_embeddings=False,
+from axolotl_fastqwen import registry
+from axolotl_fastqwen.diagnostics import model_shapes
+from axolotl_fastqwen.diagnostics.model_shapes import (  # noqa: F401 (re-exported for the bench and tests)
+    DEFAULT_SHAPE, SHAPES, ModelShape, build_config, build_experts, layer_types,
 )
-TOY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-TOY_VOCAB = 512
-REAL_MROPE_SECTION = (11, 11, 10)
 
-
-def scaled_mrope_section(rotary_dim: int, real: tuple[int, ...] = REAL_MROPE_SECTION) -> list[int]:
-    """Scale the real [11, 11, 10] section to ``rotary_dim // 2`` frequencies (largest remainder).
-
-    The text rotary embedding interleaves T/H/W over ``rotary_dim // 2`` frequencies using the
-    section lengths, so their sum must match the toy rotary dim or the model will not run.
-    """
-    n_freq = rotary_dim // 2
-    if n_freq < 1:
-        raise ValueError(f"rotary_dim {rotary_dim} has no frequencies")
-    total = sum(real)
-    exact = [s * n_freq / total for s in real]
-    section = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(real)), key=lambda i: (-(exact[i] - section[i]), i))
-    for i in by_remainder[: n_freq - sum(section)]:
-        section[i] += 1
-    return section
-
-
-def toy_config(family: str, *, vocab_size: int = TOY_VOCAB, num_hidden_layers: int = 4, **overrides):
-    """A toy-size text config of `family` with the real layer pattern (3 GDN : 1 full attention).
-
-    `overrides` replace any field. Unless `rope_parameters` is overridden, the MRoPE section is
-    recomputed from the final head_dim, so overriding the head size keeps it valid."""
-    import transformers
-
-    fam = registry.family(family)
-    kwargs = dict(TOY_TEXT, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers)
-    if fam.moe:
-        kwargs.update(TOY_MOE)
-    kwargs.update(dict(fam.toy))
-    kwargs.update(overrides)
-    if "rope_parameters" not in overrides:
-        partial = kwargs.pop("partial_rotary_factor", 0.25)
-        rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": partial}
-        if fam.mrope:
-            rope.update(mrope_section=scaled_mrope_section(int(kwargs["head_dim"] * partial)), mrope_interleaved=True)
-        kwargs["rope_parameters"] = rope
-    return getattr(transformers, fam.text_config)(**kwargs)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    family: str
-    layers: int
-    config: dict = field(default_factory=dict)
-    description: str = ""
-    tiny: bool = False
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from tiny_assets import toy_config  # noqa: E402 (the toy sizes: one definition, with the test models)
 
 
 def _shapes() -> dict[str, ModelShape]:
-    out = {}
-    for fam in registry.families():
-        for shape in fam.shapes:
-            out[shape.name] = ModelShape(shape.name, fam.name, shape.layers, shape.config, shape.description)
+    """The published shapes, and a toy one per family (hidden 64; tools/tiny_assets.py) for CPU runs."""
+    out = dict(SHAPES)
     toy_names = {"qwen3_5": "tiny", "qwen3_5_moe": "tiny-moe", "qwen3_next": "tiny-next"}
     for fam in registry.families():
         name = toy_names.get(fam.name, f"tiny-{fam.name}")
-        out[name] = ModelShape(name, fam.name, 4, description=f"toy {fam.name} (hidden 64) for CPU smoke runs", tiny=True)
+        out[name] = ModelShape(name, fam.name, 4, description=f"toy {fam.name} (hidden 64) for CPU smoke runs",
+                               make_config=functools.partial(toy_config, fam.name))
     return out
 
 
-SHAPES: dict[str, ModelShape] = _shapes()
-DEFAULT_SHAPE = "qwen3.5-27b"
+BENCH_SHAPES: dict[str, ModelShape] = _shapes()
 
 
 def get_shape(name: str) -> ModelShape:
-    try:
-        return SHAPES[name]
-    except KeyError:
-        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}") from None
-
-
-def layer_types(n: int) -> list[str]:
-    return ["full_attention" if (i + 1) % FULL_ATTENTION_EVERY == 0 else "linear_attention" for i in range(n)]
-
-
-def build_config(shape: ModelShape, layers: int | None = None, attn_implementation: str = "sdpa"):
-    """The transformers text config of `shape`, cut to `layers` (default: full depth)."""
-    import transformers
-
-    n = shape.layers if layers is None else int(layers)
-    if n < 1:
-        raise ValueError(f"--layers must be >= 1, got {n}")
-    if shape.tiny:
-        config = toy_config(shape.family, num_hidden_layers=n, layer_types=layer_types(n))
-    else:
-        config = getattr(transformers, registry.family(shape.family).text_config)(
-            num_hidden_layers=n, layer_types=layer_types(n), **shape.config
-        )
-    config.use_cache = False  # training: no cache (a cache silently disables packed masks)
-    config._attn_implementation = attn_implementation
-    return config
+    return model_shapes.get_shape(name, BENCH_SHAPES)
 
 
 @functools.cache
@@ -238,28 +142,6 @@ def build_model(config, family: str, device: torch.device, dtype: torch.dtype, s
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return model, time.perf_counter() - start
-
-
-def build_experts(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                  experts: int | None = None, implementation: str = "grouped_mm") -> nn.Module | None:
-    """One routed-experts module of `shape` (its family's transformers class, random weights of the
-    bench's scale, `experts` of them: default the shape's count) set to run `implementation`
-    (default: what `from_pretrained` picks on a GPU); None for a dense shape. The doctor and the
-    GPU tests check the experts implementation on it."""
-    config = build_config(shape, layers=1)
-    if not getattr(config, "num_experts", 0):
-        return None
-    if experts is not None:
-        config.num_experts = experts
-    config._experts_implementation = implementation
-    modeling = registry.family(shape.family).module()
-    (cls,) = [getattr(modeling, name) for name in dir(modeling) if name.endswith("Experts")]
-    torch.manual_seed(seed)
-    with torch.device(device):
-        module = cls(config).to(dtype)
-    for weight in module.parameters():
-        nn.init.normal_(weight, std=0.02)
-    return module
 
 
 def lora_targets(family: str) -> list[str]:

@@ -38,8 +38,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from . import registry
-from .families.base import detect_family, unwrap
+from .. import registry
+from ..families.base import detect_family, unwrap
 
 LOG = logging.getLogger("axolotl_fastqwen")
 GIB = 1024**3

@@ -1,4 +1,4 @@
-"""`python -m axolotl_fastqwen profile`: where one path's step time goes.
+"""`python -m fastqwen_bench profile`: where one path's step time goes.
 
 torch.profiler around N training steps (after warm-up) of one path; writes a Chrome trace and
 prints the top kernels by GPU time, launches per step, GPU kernel time by category (GEMM,
@@ -30,17 +30,17 @@ import time
 
 import torch
 
-from ..checkpointing import FIT_STEPS, CheckpointFitter, memory_of
-from . import data, measure
-from .paths import CHECKPOINTING_AUTO, PATHS, PathSkipped, installed
-from .run import add_common_args, environment, log, prepare, train_step
+from axolotl_fastqwen.memory.checkpoint_fitter import FIT_STEPS, CheckpointFitter, memory_of
+from fastqwen_bench import data, measure
+from fastqwen_bench.paths import CHECKPOINTING_AUTO, PATHS, PathSkipped, installed
+from fastqwen_bench.run import add_common_args, environment, log, prepare, train_step
 
 GZIP_ABOVE_BYTES = 32 * 2**20
 RUNTIME_KINDS = ("cuda_runtime", "cuda_driver")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="axolotl-fastqwen profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastqwen_bench profile", description=__doc__.split("\n")[0])
     add_common_args(p)
     p.set_defaults(steps=3)
     p.add_argument("--path", default="fastqwen", choices=list(PATHS), help="the path to profile")
@@ -263,7 +263,7 @@ def print_report(report: dict, device: torch.device) -> None:
     log(f"{'total ms':>10} {'share':>6} {'calls':>7} {'avg us':>9}  kernel")
     for k in report["top_kernels"]:
         log(f"{k['total_ms']:>10.2f} {k['share']:>6.1%} {k['calls']:>7} {k['avg_us']:>9.1f}  {k['name'][:110]}")
-    log("\nGPU kernel time by category (kernel-name rules, bench/profile.py CATEGORY_RULES):")
+    log("\nGPU kernel time by category (kernel-name rules, fastqwen_bench/profile.py CATEGORY_RULES):")
     log(f"{'ms/step':>9} {'share':>6} {'launches':>9}  category  [top kernels]")
     for name, c in report.get("categories", {}).items():
         log(f"{c['ms_per_step']:>9.2f} {c['share']:>6.1%} {c['launches_per_step']:>9.0f}  {name:<17} "

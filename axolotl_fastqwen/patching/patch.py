@@ -20,23 +20,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import registry
-from .adapters import LoraInputCast
+from .. import registry
+from .lora_input_cast import LoraInputCast
 from .decoder_hook import DecoderPreHook
-from .devices import model_device
-from .expert_adapters import ExpertAdapters
-from .experts import describe_experts, experts_implementation, experts_modules, set_experts_implementation
-from .families.base import FamilyPlan, detect_family, unwrap
+from ..devices import model_device
+from .expert_lora import ExpertAdapters
+from ..layers.experts_implementation import describe_experts, experts_implementation, experts_modules, set_experts_implementation
+from ..families.base import FamilyPlan, detect_family, unwrap
 from .forward_context import ForwardContext
-from .kernels import KernelSet, hopper_guard, select_kernels
-from .layers.attention import attention_forward
-from .layers import experts as grouped_experts
-from .layers.causal_lm import causal_lm_forward
-from .layers.gated_deltanet import gated_deltanet_forward
-from .layers.rms_norm import rms_norm_forward
-from .lean_activations import LeanActivations
-from .ops import availability
-from .report import format_report
+from ..kernel_choice import KernelSet, hopper_guard, select_kernels
+from ..layers.attention import attention_forward
+from ..layers import grouped_experts
+from ..layers.causal_lm import causal_lm_forward
+from ..layers.gated_deltanet import gated_deltanet_forward
+from ..layers.norms import rms_norm_forward
+from ..memory.lean_activations import LeanActivations
+from ..ops import availability
+from ..report_text import format_report
 
 LOG = logging.getLogger("axolotl_fastqwen")
 STATE_ATTR = "_fastqwen_patch"
@@ -156,7 +156,7 @@ def patch_model(
     device: where the model will train; defaults to the device of its parameters.
     prefer: op -> backend name to try first, e.g. {"causal_conv": "fla-triton"}.
     lean_activations: in layers that keep their activations, drop the norm and output-gate outputs
-        autograd would hold and recompute them in backward (`lean_activations.py`): same gradients,
+        autograd would hold and recompute them in backward (`memory/lean_activations.py`): same gradients,
         less memory.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
@@ -241,7 +241,7 @@ def unpatch_model(model: nn.Module) -> None:
 
 def _use_grouped_experts(base: nn.Module, kernels: KernelSet) -> str | None:
     """MoE models that would run transformers' `grouped_mm` run `fastqwen_grouped` instead (the same
-    math, see `layers/experts.py`); any other implementation the user chose (eager, ScatterMoE, ...)
+    math, see `layers/grouped_experts.py`); any other implementation the user chose (eager, ScatterMoE, ...)
     is left alone, and `backend="reference"` keeps stock experts. Returns what was replaced."""
     found = experts_modules(base)
     if kernels.mode == "reference" or not found or not all(grouped_experts.supports(m) for m in found):

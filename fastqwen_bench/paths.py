@@ -21,15 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import patch_model, unpatch_model
-from ..families.base import unwrap
-from .. import registry
-from ..stock import resolved_kernel, stock_torch_kernels
-from . import cpu_fla
-from .common import PathSkipped
-from .axolotl_best import axolotl_best
-from .axolotl_import import import_axolotl_patch
-from .restore import Undo, changed_in_module
+from axolotl_fastqwen import patch_model, unpatch_model
+from axolotl_fastqwen.families.base import unwrap
+from axolotl_fastqwen import registry
+from axolotl_fastqwen.transformers_functions import resolved_kernel, stock_torch_kernels
+from fastqwen_bench import cpu_fla
+from fastqwen_bench.common import PathSkipped
+from fastqwen_bench.axolotl_best import axolotl_best
+from fastqwen_bench.axolotl_import import import_axolotl_patch
+from fastqwen_bench.restore import Undo, changed_in_module
 
 
 @dataclass(frozen=True)
@@ -311,10 +311,10 @@ def _attach_axolotl_lora_kernels(model, device: torch.device, undo: Undo) -> str
 def _selfcheck_now(report, model) -> None:
     """Run the plugin's GPU kernel self-check now, before the path's calibration forward, so that
     its kernel runs (and any autotuning they trigger) are not counted in the calibration time."""
-    from ..families.base import unwrap
-    from ..decoder_hook import check_shapes, kernel_input_dtype
-    from ..kernels import selfcheck
-    from ..kernels.experts_check import selfcheck_experts
+    from axolotl_fastqwen.families.base import unwrap
+    from axolotl_fastqwen.patching.patch.decoder_hook import check_shapes, kernel_input_dtype
+    from axolotl_fastqwen.kernel_choice import selfcheck
+    from axolotl_fastqwen.kernel_choice.experts_selfcheck import selfcheck_experts
 
     base = unwrap(model)
     with torch.enable_grad():
