@@ -36,7 +36,19 @@ def test_fastqwen_run_is_the_same_file_plus_the_plugin_and_no_multipack():
     assert [p for p in f["plugins"] if p != mtc.FASTQWEN] == [p for p in a["plugins"] if p != mtc.FLA_GUARD]
 
 
-@pytest.mark.parametrize("run", ["axolotl", "fastqwen", "qlora", "fft"])
+def test_example_plugin_is_axolotls_own_yaml_plus_the_one_line_and_nothing_else():
+    """Issue 32's end-to-end pair: Axolotl's 27B example made GPU-ready (bf16 LoRA, its own targets,
+    multipack, Axolotl's speed options, Liger for the loss), and the same with only the line."""
+    a, f = mtc.build("example", **PATHS), mtc.build("example-plugin", **PATHS)
+    assert [p for p in f["plugins"] if p != mtc.FASTQWEN] == a["plugins"] and mtc.FASTQWEN in f["plugins"]
+    assert {k for k in set(a) | set(f) if a.get(k) != f.get(k)} == {"plugins"}
+    assert a["sample_packing"] is True and a["adapter"] == "lora" and "load_in_4bit" not in a
+    assert a["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj"]
+    assert mtc.CCE not in a["plugins"] and mtc.LIGER in a["plugins"] and a["liger_fused_linear_cross_entropy"]
+    assert not any(k.startswith("fastqwen_") for k in f)
+
+
+@pytest.mark.parametrize("run", ["axolotl", "fastqwen", "qlora", "fft", "example", "example-plugin"])
 def test_every_run_gets_the_local_overrides(run):
     cfg = mtc.build(run, **PATHS)
     assert cfg["base_model"] == "/m" and cfg["datasets"][0]["path"] == "/d.jsonl"

@@ -218,3 +218,16 @@ def test_unrelated_keys_are_axolotls_business_and_defaults_decide_nothing_unaske
     assert (args.fastqwen_kernels, args.fastqwen_overlong, args.fastqwen_fused_ce) == ("auto", "error", True)
     settings, _ = resolve({"fastqwen_kernel_preference": {"gated_delta_rule": "flash-qla"}}, CPU)
     assert settings.kernel_preference == {"gated_delta_rule": "flash-qla"}
+
+
+@pytest.mark.parametrize("cfg", [{"context_parallel_size": 2}, {"context_parallel": {"size": 4}},
+                                 {"sequence_parallel_degree": 2}])
+def test_under_context_parallelism_the_model_stays_stock(cfg):
+    """Axolotl's context parallelism passes the GDN state between ranks inside transformers' own
+    layers: the plugin's layers would compute each rank's shard alone, so it leaves them stock (and
+    its packer, which cannot shard a row, steps aside too)."""
+    settings, edits = settle(sample_packing=True, gradient_checkpointing=True, **cfg)
+    assert not settings.patch_layers and settings.rows == "multipack" and edits == {}
+    assert not settings.lean_activations and settings.checkpointing == "full"
+    assert "the plugin leaves the model's layers stock" in decided(settings)
+    assert settle()[0].patch_layers

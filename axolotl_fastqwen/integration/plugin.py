@@ -89,6 +89,10 @@ class FastQwenPlugin(BasePlugin):
         if not self.active:
             return
         settings = self.settings
+        if not settings.patch_layers:
+            LOG.warning("axolotl_fastqwen: the model's layers stay stock under context parallelism (the load "
+                        "report's decisions say why)")
+            return
         self.report = patch_model(
             model,
             backend=settings.kernels,

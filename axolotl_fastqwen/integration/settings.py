@@ -118,6 +118,7 @@ class Settings:
     fused_ce: bool
     loss_owner: str | None  # the Axolotl loss option that computes the loss (fastqwen_fused_ce: false)
     axolotl_options: tuple[str, ...]  # AXOLOTL_OPTIONS set true
+    patch_layers: bool  # False: the model stays stock (context parallelism: its state passing is in stock layers)
     # memory
     checkpointing: Literal["off", "full", "auto"]
     checkpointing_memory: float
@@ -278,6 +279,14 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
             "the flash-attn package is not installed; the decoder's full-attention layers run the plugin's varlen "
             "kernel either way, the rest of the model (e.g. a vision tower) runs PyTorch's sdpa"))
 
+    # ---- layers ------------------------------------------------------------------------------
+    patch_layers = _context_parallel(cfg) <= 1
+    if not patch_layers:
+        decisions.append(Decision(
+            "context_parallel_size", "the plugin leaves the model's layers stock",
+            "Axolotl's context parallelism passes the Gated DeltaNet's recurrent state from rank to rank through "
+            "transformers' own layers; the plugin's layers would run each rank's shard of a row alone"))
+
     # ---- memory ------------------------------------------------------------------------------
     checkpointing, why_not_auto = _checkpointing(cfg, args.fastqwen_checkpointing, rows == "fastqwen", env)
     if why_not_auto and args.fastqwen_checkpointing == "auto":
@@ -289,6 +298,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         decisions.append(Decision("fastqwen_checkpointing", "auto (default)", "gradient_checkpointing is on: the "
                                   "layers whose activations fit in memory are kept, the rest recomputed"))
     lean, lean_note = _lean_activations(cfg, args.fastqwen_lean_activations, checkpointing)
+    lean = lean and patch_layers
     if lean_note:
         notes.append(lean_note)
 
@@ -302,7 +312,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         step_count_fixed=_on(cfg.get("max_steps")), warmup_steps=cfg.get("warmup_steps"),
         warmup_ratio=cfg.get("warmup_ratio"), kernels=args.fastqwen_kernels,
         kernel_preference=args.fastqwen_kernel_preference or None, fused_ce=fused_ce, loss_owner=loss_owner,
-        axolotl_options=options, checkpointing=checkpointing,
+        axolotl_options=options, patch_layers=patch_layers, checkpointing=checkpointing,
         checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean,
         model_source=cfg.get("base_model_config") or cfg.get("base_model"),
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
