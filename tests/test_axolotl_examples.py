@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.axolotl, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent / "axolotl_examples"
 EXAMPLES = sorted(p.name for p in HERE.glob("*.yaml"))
+VISION = "9b-lora-vision.yaml"  # image+text: Axolotl's processor pipeline, sample_packing: false as it must be there
+TEXT = [name for name in EXAMPLES if name != VISION]
 PLUGIN = "axolotl_fastqwen.FastQwenPlugin"
 
 # What a CPU machine cannot run, with or without the plugin: key -> (value here, why).
@@ -104,7 +106,7 @@ def test_the_examples_are_axolotls_and_carry_the_keys_users_write():
     keys = set()
     for name in EXAMPLES:
         raw = yaml.safe_load((HERE / name).read_text())
-        assert raw["sample_packing"] is True and PLUGIN not in (raw.get("plugins") or []), name
+        assert raw["sample_packing"] is (name != VISION) and PLUGIN not in (raw.get("plugins") or []), name
         keys |= set(raw)
     assert {"sample_packing", "val_set_size", "evals_per_epoch", "saves_per_epoch", "gradient_checkpointing",
             "gradient_checkpointing_kwargs", "activation_offloading", "lora_target_modules", "lora_target_parameters",
@@ -114,7 +116,7 @@ def test_the_examples_are_axolotls_and_carry_the_keys_users_write():
     assert {"adamw_torch_4bit", "adamw_torch_8bit", "adamw_bnb_8bit"} <= optimizers
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("name", TEXT)
 def test_the_example_trains_with_only_the_plugin_line(name, tmp_path):
     path, changed = with_the_line(name, tmp_path)
     log = train(path)
@@ -143,6 +145,49 @@ def test_the_example_trains_with_only_the_plugin_line(name, tmp_path):
         assert any("runs factored" in n for n in kernels["notes"]), kernels["notes"]
     if raw.get("activation_offloading"):
         assert any("activation_offloading is on" in n for n in kernels["notes"]), kernels["notes"]
+
+
+def test_the_vision_example_packs_images_and_text_with_only_the_line(tmp_path):
+    """Axolotl's Qwen3.5 vision example (`processor_type: AutoProcessor`, `skip_prepare_dataset`,
+    `sample_packing: false`: Axolotl cannot pack this data) with the plugin line: several image+text
+    samples per static row, each sample processed by Axolotl's own multimodal collator, the row's
+    images and vision tokens in the report. (Exactness against each sample alone:
+    tests/test_multimodal_packing.py, with Axolotl's processing too.)"""
+    path, changed = with_the_line(VISION, tmp_path, sequence_len=512)
+    log = train(path)
+    r = report(tmp_path / "out")
+    settings, packing = r["settings"], r["packing"]
+    assert settings["multimodal"] and settings["rows"] == "fastqwen"
+    assert any(d.startswith("processor_type + skip_prepare_dataset: image+text samples packed by the plugin")
+               for d in settings["decisions"])
+    vision = packing["multimodal"]
+    assert vision["images"] > 40 and vision["vision_tokens"] > vision["images"] and vision["images_per_row"] > 2
+    epoch = packing["epochs"][0]
+    assert epoch["samples"] == 48 and epoch["bins"] < 48 / 3  # several samples a row
+    assert r["kernels"]["batch_shapes"]["train"] == [[1, 512]] and r["kernels"]["boundary_sources"] == ["collator"]
+    losses = train_losses(log)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    assert "image+text samples processed once for their lengths" in log
+
+
+def test_with_packing_off_the_vision_example_runs_axolotls_one_sample_batches(tmp_path):
+    """`fastqwen_packing: false`: Axolotl's own multimodal batches, one padded sample a step, run by
+    the patched model unchanged (a new shape each step)."""
+    path, _ = with_the_line(VISION, tmp_path, sequence_len=512, fastqwen_packing=False)
+    train(path)
+    r = report(tmp_path / "out")
+    assert not r["settings"]["multimodal"] and r["packing"] == {"active": False, "rows": "padded"}
+    shapes = r["kernels"]["batch_shapes"]["train"]
+    assert len(shapes) > 1 and all(s[0] == 1 and s[1] < 512 for s in shapes), shapes
+
+
+def test_an_image_text_sample_longer_than_the_budget_is_named(tmp_path):
+    path, _ = with_the_line(VISION, tmp_path, sequence_len=64)
+    run = axolotl("train", str(path), "--launcher", "python")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "image+text samples are longer than the token budget of 64: dataset index" in out
+    assert "An image is never split" in out
 
 
 def test_eval_sample_packing_and_evals_are_packed_by_the_plugin(tmp_path):

@@ -231,3 +231,18 @@ def test_under_context_parallelism_the_model_stays_stock(cfg):
     assert not settings.lean_activations and settings.checkpointing == "full"
     assert "the plugin leaves the model's layers stock" in decided(settings)
     assert settle()[0].patch_layers
+
+
+def test_image_text_data_through_axolotls_processor_is_packed():
+    """`processor_type` + `skip_prepare_dataset` (Axolotl's vision pipeline): the packer processes
+    each sample once for its length and packs image+text rows; `skip_prepare_dataset` alone (no
+    processor) still leaves the rows to Axolotl."""
+    settings, edits = settle(processor_type="AutoProcessor", skip_prepare_dataset=True, sample_packing=False)
+    assert settings.multimodal and settings.packer and edits == {}
+    assert "image+text samples packed by the plugin" in decided(settings)
+    settings, _ = settle(skip_prepare_dataset=True)
+    assert not settings.multimodal and not settings.packer
+    assert not settle(processor_type="AutoProcessor", skip_prepare_dataset=True,
+                      fastqwen_packing=False)[0].multimodal
+    with pytest.raises(ConfigError, match="An image is never split"):
+        settle(processor_type="AutoProcessor", skip_prepare_dataset=True, fastqwen_overlong="truncate")

@@ -524,6 +524,36 @@ def write_sharegpt(chat_path: Path, path: Path) -> Path:
     return path
 
 
+VISION_ROWS = 48
+IMAGE_SIDES = (16, 32, 48)  # pixels; 16 px = one merged patch of the tiny vision tower (1-9 tokens an image)
+
+
+def write_vision_chat(path: Path, images_dir: Path, n: int = VISION_ROWS, seed: int = DEFAULT_SEED) -> Path:
+    """Image+text chat rows in the multi-content `messages` format Axolotl's multimodal collator reads
+    (`{"type": "image", "path": ...}` parts in a user turn), with random-pixel PNGs of a few sizes:
+    most rows hold one image, some two, some none, so a packed row mixes all three."""
+    from PIL import Image
+
+    rng = random.Random(f"vision:{seed}")
+    images_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in range(n):
+            parts = []
+            for k in range(rng.choice((0, 1, 1, 1, 2))):
+                h, w = rng.choice(IMAGE_SIDES), rng.choice(IMAGE_SIDES)
+                pixels = bytes(rng.randrange(256) for _ in range(h * w * 3))
+                image = images_dir / f"{row}_{k}.png"
+                Image.frombytes("RGB", (w, h), pixels).save(image)
+                parts.append({"type": "image", "path": str(image.resolve())})
+            parts.append({"type": "text", "text": generate_text(rng, rng.randint(4, 16))})
+            messages = [{"role": "user", "content": parts},
+                        {"role": "assistant", "content": [{"type": "text", "text": generate_text(rng, rng.randint(3, 20))}]}]
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def write_processor(out: Path, config) -> Path:
     """`processor_config.json` of a vision-language checkpoint: Axolotl loads a processor for every
     multimodal model type (`qwen3_5`, `qwen3_5_moe`), even for text-only data. What
@@ -610,6 +640,7 @@ def asset_paths(
     paths["chat"] = out / "data" / "chat.jsonl"
     paths["completion"] = out / "data" / "completion.jsonl"
     paths["finetome"] = out / "data" / "finetome.jsonl"
+    paths["vision_chat"] = out / "data" / "vision_chat.jsonl"
     paths["manifest"] = out / "MANIFEST.json"
     return paths
 
@@ -651,7 +682,7 @@ def write_assets(
 
     Skips all work when MANIFEST matches this code, seed, families and library versions
     (unless ``force``); concurrent callers are serialised by a lock file. Returns the paths by
-    name: tokenizer, one per checkpoint (`ASSET_MODELS`), chat, completion, finetome, manifest.
+    name: tokenizer, one per checkpoint (`ASSET_MODELS`), chat, completion, finetome, vision_chat, manifest.
     """
     families = tuple(families)
     for family in families:
@@ -687,6 +718,7 @@ def write_assets(
             tokenizer=tokenizer,
         )
         write_sharegpt(paths["chat"], paths["finetome"])
+        write_vision_chat(paths["vision_chat"], out / "data" / "images", seed=seed)
         record = dict(manifest, created_unix=int(time.time()))
         record["seconds"] = round(time.perf_counter() - started, 2)
         tmp = paths["manifest"].with_suffix(".json.tmp")

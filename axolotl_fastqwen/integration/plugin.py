@@ -46,6 +46,7 @@ class FastQwenPlugin(BasePlugin):
         self.settings: Settings | None = None
         self.report = None
         self.fit: FitCheckpointing | None = None
+        self.vision: dict | None = None  # image+text data: the model's rope index and placeholder ids
         alias_bare_name()
 
     # ---- configuration ---------------------------------------------------------------------
@@ -106,13 +107,15 @@ class FastQwenPlugin(BasePlugin):
             self.report.fused_cross_entropy = f"delegated to Axolotl's {settings.loss_owner}"
         self.report.kernels.notes.extend(axolotl_options.notes(settings, self.report))
         self.report.kernels.notes.extend(settings.notes)
+        if settings.multimodal:
+            self.vision = vision_of(model)
         LOG.info("%s", self.report.format())
 
     # ---- data ------------------------------------------------------------------------------
     def get_collator_cls_and_kwargs(self, cfg, is_eval=False):
         settings = self.settings
-        if not (self.active and settings.packer and (settings.pack_eval or not is_eval)):
-            return None
+        if not (self.active and settings.packer and (settings.pack_eval or not is_eval)) or settings.multimodal:
+            return None  # image+text: Axolotl builds its multimodal collator; the packer wraps it (post_trainer_create)
         from .trainer_packing import AxolotlPackedCollator
 
         return AxolotlPackedCollator, {"token_budget": settings.token_budget}
@@ -120,7 +123,11 @@ class FastQwenPlugin(BasePlugin):
     def post_trainer_create(self, cfg, trainer):
         if not self.active:
             return
-        if self.settings.packer:
+        if self.settings.multimodal:
+            from .trainer_packing import install_multimodal_packer
+
+            packing_report = install_multimodal_packer(trainer, self.settings, **self.vision)
+        elif self.settings.packer:
             from .trainer_packing import install_packed_sampler
 
             packing_report = install_packed_sampler(trainer, self.settings)
@@ -148,6 +155,19 @@ class FastQwenPlugin(BasePlugin):
         out.mkdir(parents=True, exist_ok=True)
         (out / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
         LOG.info("axolotl_fastqwen: report written to %s", out / REPORT_FILE)
+
+
+def vision_of(model) -> dict:
+    """What packing image+text samples needs of the model: its own mRoPE index and placeholder ids.
+    A text-only checkpoint has none: an error that says which checkpoint to load."""
+    from ..packing.multimodal import rope_index_of
+
+    rope_index = rope_index_of(model)
+    config = model.config
+    vision = getattr(config, "vision_config", None)
+    return {"rope_index": rope_index, "image_token_id": config.image_token_id,
+            "video_token_id": getattr(config, "video_token_id", None),
+            "merge_size": getattr(vision, "spatial_merge_size", 2)}
 
 
 def supported_model_types() -> set[str]:

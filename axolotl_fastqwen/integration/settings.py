@@ -58,6 +58,9 @@ PACKER_BLOCKERS = {
     "curriculum_sampling": "curriculum sampling keeps the dataset's order; the packer reorders samples into rows",
     "skip_prepare_dataset": "samples are tokenized in the collator, so their lengths are unknown to the packer",
 }
+# With a processor (`processor_type`), `skip_prepare_dataset` is Axolotl's image+text pipeline: the
+# packer processes each sample once for its length and packs image+text rows (packing/multimodal.py).
+MULTIMODAL_KEYS = ("processor_type", "skip_prepare_dataset")
 # Keys that mean "pack" or "pad less": with the packer on they are turned off, the packer does it.
 PACKER_TAKES_OVER = {
     "sample_packing": "Axolotl's multipack",
@@ -103,6 +106,7 @@ class Settings:
 
     # packing
     rows: Rows  # what makes the training rows
+    multimodal: bool  # image+text samples (Axolotl's processor pipeline): packed with their vision inputs
     pack_eval: bool  # the packer makes the evaluation rows too
     token_budget: int  # tokens per packed row (and what `sequence_len x micro_batch_size` gives)
     overlong: str
@@ -235,8 +239,13 @@ def _context_parallel(cfg: Mapping) -> int:
                int(size or 1))
 
 
+def _multimodal(cfg: Mapping) -> bool:
+    return all(_on(cfg.get(key)) for key in MULTIMODAL_KEYS)
+
+
 def _blockers(cfg: Mapping) -> list[tuple[str, str]]:
-    found = [(key, why) for key, why in PACKER_BLOCKERS.items() if _on(cfg.get(key))]
+    found = [(key, why) for key, why in PACKER_BLOCKERS.items() if _on(cfg.get(key))
+             and not (key == "skip_prepare_dataset" and _multimodal(cfg))]
     if any(isinstance(d, Mapping) and _on(d.get("streaming")) for d in cfg.get("datasets") or []):
         found.append(("datasets[].streaming", PACKER_BLOCKERS["streaming"]))
     if _context_parallel(cfg) > 1:
@@ -267,7 +276,18 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     user_rows = _user_rows(cfg)
 
     rows, pack_eval = _packing(cfg, user_rows, budget, sequence_len, micro_batch_size, decisions, notes, edits)
-
+    multimodal = rows == "fastqwen" and _multimodal(cfg)
+    if multimodal:
+        if args.fastqwen_overlong != "error":
+            raise ConfigError(
+                f"`fastqwen_overlong: {args.fastqwen_overlong}` with image+text data (`processor_type`, "
+                "`skip_prepare_dataset`)", "An image is never split, so a sample is packed whole or not at all.",
+                instead="Leave fastqwen_overlong unset (a sample longer than the budget is then an error naming it) "
+                        "and raise fastqwen_token_budget if needed.", paste=["fastqwen_overlong: error"])
+        decisions.append(Decision(
+            "processor_type + skip_prepare_dataset", "image+text samples packed by the plugin",
+            f"each sample is processed once up front by Axolotl's multimodal collator for its length, then [1, "
+            f"{budget}] rows hold several samples with their images, each with its own mRoPE positions"))
     # ---- attention ---------------------------------------------------------------------------
     attn = cfg.get("attn_implementation") or ("flash_attention_2" if _on(cfg.get("flash_attention")) else None)
     if attn in FLASH_ATTENTION and not env.flash_attn:
@@ -307,7 +327,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     loss_owner = None if fused_ce else next((k for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
                                              if k in options), None)
     settings = Settings(
-        rows=rows, pack_eval=pack_eval, token_budget=budget, overlong=args.fastqwen_overlong,
+        rows=rows, multimodal=multimodal, pack_eval=pack_eval, token_budget=budget, overlong=args.fastqwen_overlong,
         sequence_len=sequence_len, micro_batch_size=micro_batch_size, user_rows=user_rows,
         step_count_fixed=_on(cfg.get("max_steps")), warmup_steps=cfg.get("warmup_steps"),
         warmup_ratio=cfg.get("warmup_ratio"), kernels=args.fastqwen_kernels,

@@ -11,11 +11,13 @@ import contextlib
 import dataclasses
 import logging
 import math
+import time
 import types
 
 import numpy as np
 
 from ..packing.collator import PackedCollator, resolve_item
+from ..packing.multimodal import MODALITIES, MultimodalPackedCollator
 from ..packing.planner import Piece, overlong_message, pieces
 from ..packing.sampler import PackedBatchSampler
 from ..packing.stats import packing_stats
@@ -253,3 +255,85 @@ def _report(trainer, settings: Settings, sampler, replicas) -> dict:
                  "epoch 0; the packer runs %d rows of %d", multipack, mbs, settings.sequence_len,
                  per_epoch[0]["bins"], settings.token_budget)
     return report
+
+
+# ---- image + text samples ---------------------------------------------------------------------
+PER_TOKEN = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")  # [1, L] in a one-sample batch
+
+
+class MultimodalBins:
+    """Axolotl's multimodal collator (its processing strategy: chat template, image loading,
+    assistant-only labels) run on each sample of a bin alone, unpadded, then packed into one row."""
+
+    def __init__(self, processor_collator, packer: MultimodalPackedCollator):
+        self.processor_collator, self.packer = processor_collator, packer
+
+    def process(self, example: dict) -> dict:
+        batch = self.processor_collator([example])
+        return {k: (v[0] if k in PER_TOKEN else v) for k, v in batch.items()}
+
+    def __call__(self, examples: list[dict]) -> dict:
+        return self.packer([self.process(e) for e in examples])
+
+
+def _processed_lengths(bins: MultimodalBins, dataset, budget: int) -> tuple[np.ndarray, dict]:
+    """Every sample processed once, as the collator will process it: its length in the row, and the
+    row's images and vision tokens for the report. An image is never split: an overlong sample is an
+    error naming it."""
+    lengths, images, vision = [], 0, 0
+    for i in range(len(dataset)):
+        sample = bins.process(dataset[i])
+        lengths.append(int(sample["input_ids"].numel()))
+        images += sum(int(sample[grid].shape[0]) for _, grid, _ in MODALITIES if sample.get(grid) is not None)
+        vision += int((sample["mm_token_type_ids"] != 0).sum())
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = np.flatnonzero(lengths > budget)
+    if over.size:
+        worst = over[np.argsort(-lengths[over])][:3]
+        raise ValueError(
+            f"{over.size} image+text sample{'s are' if over.size > 1 else ' is'} longer than the token budget of "
+            f"{budget}: " + ", ".join(f"dataset index {int(i)} ({int(lengths[i])} tokens)" for i in worst)
+            + ". An image is never split: raise fastqwen_token_budget (or sequence_len), or give the processor a "
+            "smaller max_pixels.")
+    return lengths, {"images": images, "vision_tokens": vision}
+
+
+def install_multimodal_packer(trainer, settings: Settings, rope_index, *, image_token_id: int,
+                              video_token_id: int | None, merge_size: int) -> dict:
+    """The packer for image+text data: Axolotl's multimodal collator processes each sample of a bin
+    alone, `MultimodalPackedCollator` packs them; lengths come from processing every sample once."""
+    processor_collator = trainer.data_collator
+    if not hasattr(processor_collator, "processing_strategy"):
+        raise ValueError(
+            f"image+text packing wraps Axolotl's multimodal collator, but the trainer's collator is "
+            f"{type(processor_collator).__name__}: set processor_type: AutoProcessor and skip_prepare_dataset: true "
+            "(Axolotl's vision examples), or fastqwen_packing: false.")
+    tokenizer = getattr(trainer, "processing_class", None) or getattr(processor_collator, "tokenizer", None)
+    pad = getattr(getattr(tokenizer, "tokenizer", tokenizer), "pad_token_id", None) or 0
+    packer = MultimodalPackedCollator(settings.token_budget, rope_index=rope_index, image_token_id=image_token_id,
+                                      video_token_id=video_token_id, merge_size=merge_size, pad_token_id=pad)
+    bins = MultimodalBins(processor_collator, packer)
+    seed = trainer.args.data_seed if getattr(trainer.args, "data_seed", None) is not None else trainer.args.seed
+    replicas = trainer._data_parallel_size() if hasattr(trainer, "_data_parallel_size") else trainer.args.world_size
+    started = time.perf_counter()
+    lengths, vision = _processed_lengths(bins, trainer.train_dataset, settings.token_budget)
+    LOG.info("axolotl_fastqwen: %d image+text samples processed once for their lengths in %.1f s: %d images, %d "
+             "vision tokens", lengths.size, time.perf_counter() - started, vision["images"], vision["vision_tokens"])
+    train_sampler = AxolotlPackedBatchSampler(lengths, settings.token_budget, seed=seed, num_replicas=replicas)
+    trainer._get_train_sampler = types.MethodType(lambda self, train_dataset=None: train_sampler, trainer)
+    trainer.data_collator = trainer.train_data_collator = bins
+    if settings.pack_eval and trainer.eval_dataset is not None:
+        eval_lengths, _ = _processed_lengths(bins, trainer.eval_dataset, settings.token_budget)
+        eval_sampler = AxolotlPackedBatchSampler(eval_lengths, settings.token_budget, seed=seed, num_replicas=replicas)
+        trainer._get_eval_sampler = types.MethodType(lambda self, eval_dataset=None: eval_sampler, trainer)
+        trainer.eval_data_collator = bins
+    _forward_epochs_on_resume(trainer)
+    report = _report(trainer, settings, train_sampler, replicas)
+    rows = max(1, report["epochs"][0]["bins"])
+    report["multimodal"] = {**vision, "images_per_row": round(vision["images"] / rows, 2),
+                            "vision_tokens_per_row": round(vision["vision_tokens"] / rows, 1),
+                            "lengths_from": "each sample processed once by Axolotl's multimodal collator"}
+    _exact_steps(trainer, settings, len(train_sampler) // replicas)
+    report["optimizer_steps"] = trainer.args.max_steps
+    return report
+

@@ -250,13 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", required=True)
     p.add_argument("--png")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the steady-state medians")
-    p.add_argument("--title", default="axolotl train on one H200, Qwen3.5-27B-shaped random weights")
+    p.add_argument("--title", default=None,
+                   help="default: 'axolotl train on one <the runs' GPU>, Qwen3.5-27B-shaped random weights'")
     p.add_argument("--extra", help="a JSON file merged into the summary under 'context'")
     args = p.parse_args(argv)
     runs_dir = Path(args.runs_dir)
     runs = [summarise_run(d, args.warmup) for d in sorted(runs_dir.iterdir())
             if d.is_dir() and ((d / "train.log").exists() or (d / "run.json").exists())]
     summary = {"runs": runs}
+    if args.title is None:
+        devices = sorted({str(r["device"]) for r in runs if r.get("device")})
+        args.title = f"axolotl train on one {' / '.join(devices) or 'GPU'}, Qwen3.5-27B-shaped random weights"
     if args.extra and Path(args.extra).exists():
         summary["context"] = json.loads(Path(args.extra).read_text())
     Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
