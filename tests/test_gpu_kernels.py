@@ -488,3 +488,64 @@ def test_lean_activations_on_the_27b_slice(norms, gpu_record):
     assert expected <= report["outputs_dropped_per_forward"] <= expected + 2, report
     assert err <= max(4 * noise, 1e-5), (err, noise)
     assert abs((held_off - held_on) - dropped) <= 0.1 * dropped, (held_off, held_on, dropped)
+
+
+def test_27b_vl_slice_packed_image_text_row_equals_each_sample_alone(gpu_record):
+    """bf16, fused kernels, a Qwen3.5-27B vision-language slice (4 text layers at the 27B shapes,
+    transformers' default Qwen3.5 vision tower: 16-pixel patches, 2x2 merge): image+text samples
+    packed by `MultimodalPackedCollator` (their own mRoPE positions, vision inputs in row order)
+    against each sample alone. Tolerance: the model checks' 5e-2 (bf16 through 4 random 5120-wide
+    layers and the vision tower); the row without boundaries is the control the check must beat."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from axolotl_fastqwen.packing.multimodal import MultimodalPackedCollator, rope_index_of
+
+    text = _model_27b_slice().config.to_dict()
+    config = Qwen3_5Config(text_config=text, vision_config={"out_hidden_size": text["hidden_size"]},
+                           image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                           vision_end_token_id=248054, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
+    vision = config.vision_config
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    gen = torch.Generator().manual_seed(2)
+
+    def sample(n_text: int, grids: list[tuple[int, int, int]]) -> dict:
+        ids, types = [torch.randint(0, 200_000, (n_text,), generator=gen)], [torch.zeros(n_text, dtype=torch.long)]
+        for t, h, w in grids:
+            n = t * h * w // 4
+            ids += [torch.tensor([config.vision_start_token_id]), torch.full((n,), config.image_token_id),
+                    torch.tensor([config.vision_end_token_id]), torch.randint(0, 200_000, (16,), generator=gen)]
+            types += [torch.zeros(1, dtype=torch.long), torch.ones(n, dtype=torch.long), torch.zeros(17, dtype=torch.long)]
+        out = {"input_ids": torch.cat(ids), "mm_token_type_ids": torch.cat(types)}
+        if grids:
+            out["image_grid_thw"] = torch.tensor(grids)
+            out["pixel_values"] = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=gen)
+        out["labels"] = out["input_ids"].clone()
+        return out
+
+    samples = [sample(300, [(1, 16, 24)]), sample(40, []), sample(120, [(1, 8, 8), (1, 32, 16)]), sample(500, [])]
+    row = MultimodalPackedCollator(2048, rope_index=rope_index_of(model), image_token_id=config.image_token_id,
+                                   video_token_id=config.video_token_id, merge_size=vision.spatial_merge_size)(samples)
+    patch_model(model, backend="auto")
+    model.eval()
+    lengths = [s["input_ids"].numel() for s in samples]
+    starts = torch.tensor([0, *lengths]).cumsum(0)[1:-1].tolist()
+    cuda = lambda d: {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in d.items() if k != "labels"}  # noqa: E731
+    with torch.no_grad():
+        packed = model(**cuda(row)).logits[0, :sum(lengths)]
+        alone = torch.cat([model(**cuda({**s, "input_ids": s["input_ids"][None],
+                                         "mm_token_type_ids": s["mm_token_type_ids"][None]})).logits[0]
+                           for s in samples])
+        # the control: the row as one sequence (mRoPE computed across it, no boundaries)
+        keep = ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+        leaky = model(**cuda({k: row[k] for k in keep})).logits[0, :sum(lengths)]
+    err = _rel(packed, alone)
+    first = [_rel(packed[s:s + 8], alone[s:s + 8]) for s in starts]
+    leak = [_rel(leaky[s:s + 8], alone[s:s + 8]) for s in starts]
+    gpu_record({"test": "27b_vl_slice_packed_image_text_vs_alone_bf16", "lengths": lengths,
+                "logits_rel_err": err, "first_8_tokens_of_each_later_sample_rel_err": first,
+                "same_row_without_boundaries_rel_err": leak, "tolerance": MODEL_TOL})
+    assert err <= MODEL_TOL and max(first) <= MODEL_TOL
+    assert min(leak) > 4 * max(first)

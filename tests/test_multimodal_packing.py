@@ -34,6 +34,9 @@ SAMPLES = [
     ("<|im_start|>user\nno picture at all<|im_end|>\n<|im_start|>assistant\nthen I guess<|im_end|>\n", []),
     (f"<|im_start|>user\n{PAD}<|im_end|>\n<|im_start|>assistant\ntall<|im_end|>\n", [(64, 16)]),
 ]
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+# a video sample: 4 frames of 32x32 (temporal patches of 2: a [2, 4, 4] grid, 8 placeholder tokens)
+VIDEO_SAMPLE = (f"<|im_start|>user\nwatch {VIDEO} now<|im_end|>\n<|im_start|>assistant\nit moves<|im_end|>\n", (4, 32, 32))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +56,16 @@ def images(sizes, seed):
 
 
 def processed(processor, samples=SAMPLES):
-    """Each sample through the processor alone, as a training sample (labels = its input_ids)."""
+    """Each sample through the processor alone, as a training sample (labels = its input_ids). A
+    sample whose sizes are one (frames, height, width) triple is a video."""
     out = []
     for k, (text, sizes) in enumerate(samples):
-        feature = processor(text=[text], images=images(sizes, k) or None, return_tensors="pt")
+        if isinstance(sizes, tuple):
+            frames = (np.random.default_rng(k).random((*sizes, 3)) * 255).astype("uint8")
+            feature = processor(text=[text], videos=[frames], return_tensors="pt",
+                                videos_kwargs={"do_sample_frames": False})
+        else:
+            feature = processor(text=[text], images=images(sizes, k) or None, return_tensors="pt")
         sample = {key: (value[0] if key in ("input_ids", "attention_mask", "mm_token_type_ids") else value)
                   for key, value in feature.items()}
         sample["labels"] = sample["input_ids"].clone()
@@ -79,7 +88,8 @@ def alone(model, text_family, samples):
         for s in samples:
             labels = s["labels"].clone()
             labels[s["mm_token_type_ids"] != 0] = -100  # placeholders never carry a label
-            kwargs = {k: s[k] for k in ("pixel_values", "image_grid_thw") if k in s}
+            kwargs = {k: s[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+                      if k in s}
             out = model(input_ids=s["input_ids"][None], mm_token_type_ids=s["mm_token_type_ids"][None],
                         labels=labels[None], num_items_in_batch=torch.tensor(1), **kwargs)
             out.loss.backward()
@@ -93,12 +103,13 @@ def test_a_packed_image_text_row_equals_each_sample_alone(family, processor):
     model = model_for(family)
     for p in model.parameters():  # the vision tower and merger train too: their gradients are compared
         p.requires_grad_(True)
-    samples = processed(processor)
+    samples = processed(processor, [*SAMPLES, VIDEO_SAMPLE])
     alone_logits, alone_loss, alone_grads = alone(model, VL[family], samples)
     assert any(k.startswith("model.visual") for k in alone_grads)
-    row = collator_for(model)(samples)
+    row = collator_for(model, budget=320)(samples)
     n = sum(s["input_ids"].numel() for s in samples)
-    assert row["position_ids"].shape == (4, 1, 256) and row["image_grid_thw"].shape == (4, 3)
+    assert row["position_ids"].shape == (4, 1, 320) and row["image_grid_thw"].shape == (4, 3)
+    assert row["video_grid_thw"].tolist() == [[2, 4, 4]] and row["pixel_values_videos"].shape[0] == 32
     patch_model(model)
     model.eval()
     no_labels = {k: v for k, v in row.items() if k != "labels"}
@@ -253,3 +264,38 @@ def test_axolotls_processed_samples_packed_equal_each_sample_alone():
     out.loss.backward()
     assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
     assert_grads_close(grads(model), alone_grads)
+
+
+def test_a_processor_that_does_not_match_the_model_is_refused(processor):
+    """A processor whose patch merge differs from the model's (another checkpoint's processor): its
+    placeholder counts disagree with what the model's vision tower makes of the grids."""
+    model = model_for("qwen3_5_vl")
+    samples = processed(processor)
+    config = model.config
+    mismatched = MultimodalPackedCollator(256, rope_index=rope_index_of(model), image_token_id=config.image_token_id,
+                                          merge_size=1)
+    with pytest.raises(MultimodalSampleError, match="sample 0: 2 image placeholder tokens, but its image_grid_thw"):
+        mismatched(samples)
+
+
+@pytest.mark.parametrize("family", list(VL))
+def test_unpacked_image_text_batches_run_as_stock_runs_them(family, processor):
+    """One image+text sample alone, and a right-padded batch of two (what Axolotl's multimodal
+    collator gives with `fastqwen_packing: false`): the model computes its own mRoPE positions, a
+    `[3, B, T]` tensor whose first row is the temporal position (constant across an image), which
+    must not be read as packed-sequence boundaries. Logits equal stock's."""
+    model = model_for(family).eval()
+    samples = processed(processor)
+    one = samples[1]
+    padded = processor(text=[SAMPLES[0][0], SAMPLES[1][0]], images=images(SAMPLES[0][1], 0) + images(SAMPLES[1][1], 1),
+                       return_tensors="pt", padding=True)
+    batches = [{k: (v[None] if k in ("input_ids", "mm_token_type_ids") else v) for k, v in one.items()
+                if k in ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")}, dict(padded)]
+    with torch.no_grad(), stock_torch_kernels(VL[family]):
+        stock = [model(**b).logits for b in batches]
+    patch_model(model)
+    with torch.no_grad():
+        ours = [model(**b).logits for b in batches]
+    assert rel(ours[0], stock[0]) <= TOL
+    mask = batches[1]["attention_mask"].bool()
+    assert rel(ours[1][mask], stock[1][mask]) <= TOL

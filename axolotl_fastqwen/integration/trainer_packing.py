@@ -277,12 +277,14 @@ class MultimodalBins:
 
 
 def _processed_lengths(bins: MultimodalBins, dataset, budget: int) -> tuple[np.ndarray, dict]:
-    """Every sample processed once, as the collator will process it: its length in the row, and the
-    row's images and vision tokens for the report. An image is never split: an overlong sample is an
-    error naming it."""
+    """Every sample processed once, as the collator will process it, and checked as the packer will
+    check it (placeholders against grids: an error names the dataset index before the first step):
+    its length in the row, and the images and vision tokens for the report. An image is never split:
+    an overlong sample is an error naming it."""
     lengths, images, vision = [], 0, 0
     for i in range(len(dataset)):
         sample = bins.process(dataset[i])
+        bins.packer.sample(i, sample)
         lengths.append(int(sample["input_ids"].numel()))
         images += sum(int(sample[grid].shape[0]) for _, grid, _ in MODALITIES if sample.get(grid) is not None)
         vision += int((sample["mm_token_type_ids"] != 0).sum())

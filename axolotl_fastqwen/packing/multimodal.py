@@ -85,7 +85,7 @@ class MultimodalPackedCollator(PackedCollator):
         self.merge_size = int(merge_size)
 
     def __call__(self, features: list[dict]) -> dict:
-        samples = [self._sample(i, f) for i, f in enumerate(features) if len(f["input_ids"])]
+        samples = [self.sample(i, f) for i, f in enumerate(features) if len(f["input_ids"])]
         row = super().__call__([{k: v for k, v in s.items() if k in TEXT_KEYS} for s in samples])
         budget = self.token_budget
         text_positions = row["position_ids"].view(budget)
@@ -106,8 +106,9 @@ class MultimodalPackedCollator(PackedCollator):
                 row[grid] = torch.cat([s[grid] for s in parts])
         return row
 
-    def _sample(self, i: int, feature: dict) -> dict:
-        """One feature as tensors, checked, its placeholders unlabelled, its own mRoPE positions."""
+    def sample(self, i: int, feature: dict) -> dict:
+        """One feature as tensors, checked (the errors name it as sample `i`), its placeholders unlabelled,
+        its own mRoPE positions."""
         ids = torch.as_tensor(np.asarray(feature["input_ids"]), dtype=torch.long).view(-1)
         types_ = feature.get("mm_token_type_ids")
         if types_ is None:

@@ -55,7 +55,7 @@ class DecoderPreHook:
             return args, kwargs  # under torch.compile only a collator's boundaries (no host sync) are read
         device = _input_device(args, kwargs)
         position_ids = kwargs.get("position_ids")
-        text_positions = position_ids[0] if position_ids is not None and position_ids.dim() == 3 else position_ids
+        text_positions = _text_positions(position_ids)
         validate = device.type != "cuda" or not self.validated  # on a GPU each check is a sync: check once
         boundaries, note = resolve(
             device=device, position_ids=text_positions, attention_mask=kwargs.get("attention_mask"),
@@ -179,3 +179,12 @@ def check_shapes(base: nn.Module, dtype: torch.dtype | None = None) -> CheckShap
         hidden=gdn.hidden_size,
     )
 
+
+def _text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The text positions of a batch, which mark packed boundaries. 2-D: as given. 3-D, transformers'
+    Qwen-VL contract: `[4, B, T]` is a packed row (row 0 the text positions, rows 1-3 mRoPE); `[3, B,
+    T]` holds only mRoPE's temporal / height / width positions (an image's tokens share a temporal
+    position), which say nothing of boundaries: not packed."""
+    if position_ids is None or position_ids.dim() == 2:
+        return position_ids
+    return position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else None
