@@ -105,6 +105,11 @@ def format_packing(packing: dict) -> list[str]:
             f"{100 * e['padding_fraction']:.1f}%, {e['reduction_vs_padded_pct']:.1f}% fewer steps than "
             f"{e['padded_batches']:,} padded batches of {e['micro_batch_size']}"
         )
+    vision = packing.get("multimodal")
+    if vision:
+        lines.append(f"image+text: {vision['images']:,} images, {vision['vision_tokens']:,} vision tokens "
+                     f"({vision['images_per_row']} images, {vision['vision_tokens_per_row']} vision tokens a row); "
+                     f"lengths: {vision['lengths_from']}")
     multipack = packing.get("multipack")
     if multipack and packing.get("epochs"):
         bins = packing["epochs"][0]["bins"]

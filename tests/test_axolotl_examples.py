@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +170,9 @@ def test_the_vision_example_packs_images_and_text_with_only_the_line(tmp_path):
     losses = train_losses(log)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     assert "image+text samples processed once for their lengths" in log
+    shown = subprocess.run([sys.executable, "-m", "axolotl_fastqwen", "report", str(tmp_path / "out")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert f"image+text: {vision['images']} images, {vision['vision_tokens']} vision tokens" in shown.stdout
 
 
 def test_with_packing_off_the_vision_example_runs_axolotls_one_sample_batches(tmp_path):
