@@ -31,6 +31,13 @@ def train(path, **kw) -> str:
     return run.stdout + run.stderr
 
 
+def fails(*args, **kw) -> str:
+    """`axolotl ARGS`, which must fail; returns its whole output (for the message it gave)."""
+    run = axolotl(*args, **kw)
+    assert run.returncode != 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout + run.stderr
+
+
 def report(output_dir: Path) -> dict:
     """The plugin's report of a finished run."""
     return json.loads((Path(output_dir) / "fastqwen_report.json").read_text())

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from axolotl_runs import ROOT, axolotl, report, train, train_losses
+from axolotl_runs import ROOT, fails, report, train, train_losses
 
 pytest.importorskip("axolotl")
 pytestmark = [pytest.mark.axolotl, pytest.mark.slow]
@@ -188,9 +188,7 @@ def test_with_packing_off_the_vision_example_runs_axolotls_one_sample_batches(tm
 
 def test_an_image_text_sample_longer_than_the_budget_is_named(tmp_path):
     path, _ = with_the_line(VISION, tmp_path, sequence_len=64)
-    run = axolotl("train", str(path), "--launcher", "python")
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
+    out = fails("train", str(path), "--launcher", "python")
     assert "image+text samples are longer than the token budget of 64: dataset index" in out
     assert "An image is never split" in out
 
@@ -222,6 +220,5 @@ def test_what_a_cpu_user_gets_for_a_gpu_only_key(keys, message, tmp_path):
     cfg = yaml.safe_load(path.read_text())
     cfg["plugins"] = [*plugins, PLUGIN]
     path.write_text(yaml.safe_dump(cfg))
-    run = axolotl("train", str(path), "--launcher", "python")
-    out = run.stdout + run.stderr
-    assert run.returncode != 0 and message in out, out[-3000:]
+    out = fails("train", str(path), "--launcher", "python")
+    assert message in out, out[-3000:]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import yaml
-from axolotl_runs import ROOT, axolotl, train, train_losses
+from axolotl_runs import ROOT, fails, train, train_losses
 from axolotl_runs import report as read_report
 
 pytest.importorskip("axolotl")
@@ -94,9 +94,7 @@ def test_a_contradiction_is_refused_at_config_load_in_one_paragraph_without_a_tr
     """`fastqwen_packing: true` insists on the packer, `streaming: true` makes it impossible: the two
     explicit choices contradict each other. The user sees the key, why and the YAML to paste, as the
     whole error, before any dataset or model work."""
-    run = axolotl("preprocess", str(config(tmp_path, fastqwen_packing=True, streaming=True)))
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
+    out = fails("preprocess", str(config(tmp_path, fastqwen_packing=True, streaming=True)))
     error = out[out.index("axolotl_fastqwen cannot train this config"):]
     assert error.splitlines()[0].endswith("`fastqwen_packing: true` with `streaming`"), error
     assert "needs every sample's length" in error and "    fastqwen_packing: false" in error
@@ -163,17 +161,13 @@ def test_lora_on_the_routed_experts_runs_factored_with_the_losses_of_peft_merged
 def test_liger_kernels_that_cannot_run_on_cpu_fail_before_the_model_loads(tmp_path):
     path = config(tmp_path, plugins=["axolotl_fastqwen.FastQwenPlugin", "axolotl.integrations.liger.LigerPlugin"],
                   liger_rms_norm=True, liger_glu_activation=True)
-    run = axolotl("train", str(path), "--launcher", "python")
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
+    out = fails("train", str(path), "--launcher", "python")
     assert "`liger_rms_norm: true`, `liger_glu_activation: true` run Triton kernels, which need a CUDA GPU" in out
     assert "Set them false here" in out
 
 
 def test_a_misspelt_plugin_key_fails_at_config_load(tmp_path):
-    run = axolotl("preprocess", str(config(tmp_path, fastqwen_pakcing=False)))
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
+    out = fails("preprocess", str(config(tmp_path, fastqwen_pakcing=False)))
     assert ("axolotl_fastqwen cannot train this config: unknown option `fastqwen_pakcing` (did you mean "
             "`fastqwen_packing`?)") in out and "Traceback" not in out
     assert "Tokenizing" not in out and "Loading model" not in out
@@ -188,9 +182,7 @@ def test_an_unsupported_model_is_refused_at_config_load(tmp_path):
     Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                  num_key_value_heads=1, head_dim=16, vocab_size=512)).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(ASSETS / "tokenizer").save_pretrained(model_dir)
-    run = axolotl("preprocess", str(config(tmp_path, base_model=str(model_dir))))
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
+    out = fails("preprocess", str(config(tmp_path, base_model=str(model_dir))))
     assert "axolotl_fastqwen supports model types" in out and "'qwen3'" in out
     assert "Tokenizing" not in out and "Loading model" not in out
 
@@ -218,9 +210,7 @@ def test_overlong_samples_are_cut_counted_and_reported(tmp_path, mode):
 
 
 def test_overlong_error_names_the_rows_and_lengths(tmp_path):
-    run = axolotl("train", str(config(tmp_path, fastqwen_token_budget=256)), "--launcher", "python")
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
+    out = fails("train", str(config(tmp_path, fastqwen_token_budget=256)), "--launcher", "python")
     assert "samples are longer than the token budget of 256 tokens: the longest: dataset index" in out
     assert "begins '" in out and "fastqwen_overlong: truncate|split" in out
 
@@ -250,9 +240,7 @@ def test_kernel_preference_reaches_kernel_selection_and_a_refusal_is_reported(tm
 
 
 def test_a_kernel_preference_for_an_unknown_op_fails_at_config_load(tmp_path):
-    run = axolotl("preprocess", str(config(tmp_path, fastqwen_kernel_preference={"gdn": "flash-qla"})))
-    out = run.stdout + run.stderr
-    assert run.returncode != 0
+    out = fails("preprocess", str(config(tmp_path, fastqwen_kernel_preference={"gdn": "flash-qla"})))
     assert "fastqwen_kernel_preference: unknown op(s) ['gdn']" in out and "Loading model" not in out
 
 

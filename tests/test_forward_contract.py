@@ -14,7 +14,6 @@ import torch
 from axolotl_fastqwen import patch_model
 from axolotl_fastqwen.boundaries import BoundaryError
 from axolotl_fastqwen.transformers_functions import stock_torch_kernels
-from tiny_assets import build_tiny_model
 
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     FAMILIES, TOL, alone_loss_and_grads, assert_grads_close, grads, loss_and_grads, model_for, packed_batch, rel,

@@ -98,6 +98,15 @@ def alone(model, text_family, samples):
     return torch.cat(logits), total, grads(model)
 
 
+def assert_row_trains_as_alone(model, row, alone_loss, alone_grads):
+    """The packed row's loss (summed over its samples) and every gradient equal the samples' alone."""
+    model.zero_grad(set_to_none=True)
+    out = model(**row, num_items_in_batch=torch.tensor(1))
+    out.loss.backward()
+    assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
+    assert_grads_close(grads(model), alone_grads)
+
+
 @pytest.mark.parametrize("family", list(VL))
 def test_a_packed_image_text_row_equals_each_sample_alone(family, processor):
     model = model_for(family)
@@ -115,11 +124,7 @@ def test_a_packed_image_text_row_equals_each_sample_alone(family, processor):
     no_labels = {k: v for k, v in row.items() if k != "labels"}
     assert rel(model(**no_labels).logits[0, :n].detach(), alone_logits) <= TOL
     model.train()
-    model.zero_grad(set_to_none=True)
-    out = model(**row, num_items_in_batch=torch.tensor(1))
-    out.loss.backward()
-    assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
-    assert_grads_close(grads(model), alone_grads)
+    assert_row_trains_as_alone(model, row, alone_loss, alone_grads)
 
 
 def test_stock_leaks_across_a_packed_image_text_row(processor):
@@ -259,11 +264,7 @@ def test_axolotls_processed_samples_packed_equal_each_sample_alone():
     _, alone_loss, alone_grads = alone(model, "qwen3_5", samples)
     row = bins(rows)
     patch_model(model)
-    model.zero_grad(set_to_none=True)
-    out = model(**row, num_items_in_batch=torch.tensor(1))
-    out.loss.backward()
-    assert abs(float(out.loss) - alone_loss) <= TOL * alone_loss
-    assert_grads_close(grads(model), alone_grads)
+    assert_row_trains_as_alone(model, row, alone_loss, alone_grads)
 
 
 def test_a_processor_that_does_not_match_the_model_is_refused(processor):
