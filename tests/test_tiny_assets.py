@@ -9,6 +9,7 @@ import math
 import os
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,7 +351,7 @@ def test_sampled_lengths_match_the_lognormal():
 def test_write_assets_layout_and_manifest(assets):
     out, paths = assets
     assert set(paths) == {
-        "tokenizer", *ta.FAMILIES, *ta.VL_FAMILIES, "chat", "completion", "finetome", "manifest",
+        "tokenizer", *ta.FAMILIES, *ta.VL_FAMILIES, "chat", "completion", "finetome", "vision_chat", "manifest",
     }
     assert {"qwen3_5_vl", "qwen3_5_moe_vl"} <= set(ta.VL_FAMILIES)
     manifest = json.loads(paths["manifest"].read_text())
@@ -365,6 +366,20 @@ def test_write_assets_layout_and_manifest(assets):
     for family in ta.VL_FAMILIES:  # a vision-language checkpoint ships its processor
         processor = json.loads((paths[family] / "processor_config.json").read_text())
         assert processor["processor_class"] == "Qwen3VLProcessor"
+    # image+text rows: multi-content messages, their images on disk; some rows with none, some with two
+    rows = [json.loads(line)["messages"] for line in paths["vision_chat"].read_text().splitlines()]
+    images = [[p["path"] for p in m[0]["content"] if p["type"] == "image"] for m in rows]
+    assert len(rows) == ta.VISION_ROWS and {len(i) for i in images} == {0, 1, 2}
+    assert all(Path(p).is_file() and Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for i in images for p in i)
+
+
+def test_the_pngs_decode_to_the_pixels_written(tmp_path):
+    """The standard-library PNG writer against an independent decoder (Pillow)."""
+    image_lib = pytest.importorskip("PIL.Image")
+    rgb = bytes(range(256))[: 9 * 6 * 3]  # 9 x 6 pixels, 3 channels, every byte different
+    path = ta.write_png(tmp_path / "x.png", 9, 6, rgb)
+    with image_lib.open(path) as image:
+        assert image.size == (9, 6) and image.mode == "RGB" and image.tobytes() == rgb
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,

@@ -528,12 +528,26 @@ VISION_ROWS = 48
 IMAGE_SIDES = (16, 32, 48)  # pixels; 16 px = one merged patch of the tiny vision tower (1-9 tokens an image)
 
 
+def write_png(path: Path, width: int, height: int, rgb: bytes) -> Path:
+    """An 8-bit RGB PNG of `rgb` (rows top to bottom), written with the standard library alone (the
+    asset builder runs where no image library is installed)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    stride = 3 * width
+    raw = b"".join(b"\x00" + rgb[y * stride:(y + 1) * stride] for y in range(height))  # filter 0 per row
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    return path
+
+
 def write_vision_chat(path: Path, images_dir: Path, n: int = VISION_ROWS, seed: int = DEFAULT_SEED) -> Path:
     """Image+text chat rows in the multi-content `messages` format Axolotl's multimodal collator reads
     (`{"type": "image", "path": ...}` parts in a user turn), with random-pixel PNGs of a few sizes:
     most rows hold one image, some two, some none, so a packed row mixes all three."""
-    from PIL import Image
-
     rng = random.Random(f"vision:{seed}")
     images_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
@@ -544,7 +558,7 @@ def write_vision_chat(path: Path, images_dir: Path, n: int = VISION_ROWS, seed: 
                 h, w = rng.choice(IMAGE_SIDES), rng.choice(IMAGE_SIDES)
                 pixels = bytes(rng.randrange(256) for _ in range(h * w * 3))
                 image = images_dir / f"{row}_{k}.png"
-                Image.frombytes("RGB", (w, h), pixels).save(image)
+                write_png(image, w, h, pixels)
                 parts.append({"type": "image", "path": str(image.resolve())})
             parts.append({"type": "text", "text": generate_text(rng, rng.randint(4, 16))})
             messages = [{"role": "user", "content": parts},
