@@ -48,6 +48,20 @@ def test_example_plugin_is_axolotls_own_yaml_plus_the_one_line_and_nothing_else(
     assert not any(k.startswith("fastqwen_") for k in f)
 
 
+def test_vision_pair_is_axolotls_vision_example_as_written_and_with_the_line_and_packing():
+    """Issue 34's speed pair: the vision example's own batch shape (one sample a micro-step,
+    accumulation 4), optimizer and LoRA; the plugin run adds the line and `sample_packing: true`."""
+    a, f = mtc.build("vision", **PATHS), mtc.build("vision-plugin", **PATHS)
+    assert {k for k in set(a) | set(f) if a.get(k) != f.get(k)} == {"plugins", "sample_packing"}
+    assert a["sample_packing"] is False and f["sample_packing"] is True
+    assert [p for p in f["plugins"] if p != mtc.FASTQWEN] == a["plugins"] and mtc.FASTQWEN in f["plugins"]
+    assert (a["micro_batch_size"], a["gradient_accumulation_steps"], a["sequence_len"], a["lora_r"]) == (1, 4, 8192, 32)
+    assert a["processor_type"] == "AutoProcessor" and a["skip_prepare_dataset"] is True
+    assert a["optimizer"] == "adamw_bnb_8bit" and a["gradient_checkpointing"] is True
+    assert a["datasets"][0]["path"] == "/d.jsonl" and a["datasets"][0]["type"] == "chat_template"
+    assert a["attn_implementation"] == "sdpa" and mtc.PROBE in a["plugins"] and mtc.LIGER not in a["plugins"]
+
+
 @pytest.mark.parametrize("run", ["axolotl", "fastqwen", "qlora", "fft", "example", "example-plugin"])
 def test_every_run_gets_the_local_overrides(run):
     cfg = mtc.build(run, **PATHS)

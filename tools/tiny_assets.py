@@ -528,7 +528,7 @@ VISION_ROWS = 48
 IMAGE_SIDES = (16, 32, 48)  # pixels; 16 px = one merged patch of the tiny vision tower (1-9 tokens an image)
 
 
-def write_png(path: Path, width: int, height: int, rgb: bytes) -> Path:
+def write_png(path: Path, width: int, height: int, rgb: bytes, level: int = 9) -> Path:
     """An 8-bit RGB PNG of `rgb` (rows top to bottom), written with the standard library alone (the
     asset builder runs where no image library is installed)."""
     import struct
@@ -540,7 +540,7 @@ def write_png(path: Path, width: int, height: int, rgb: bytes) -> Path:
     stride = 3 * width
     raw = b"".join(b"\x00" + rgb[y * stride:(y + 1) * stride] for y in range(height))  # filter 0 per row
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                     + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+                     + chunk(b"IDAT", zlib.compress(raw, level)) + chunk(b"IEND", b""))
     return path
 
 
@@ -568,12 +568,14 @@ def write_vision_chat(path: Path, images_dir: Path, n: int = VISION_ROWS, seed: 
     return path
 
 
-def write_processor(out: Path, config) -> Path:
+def write_processor(out: Path, config, *, min_image_tokens: int = 1, max_image_tokens: int = 64) -> Path:
     """`processor_config.json` of a vision-language checkpoint: Axolotl loads a processor for every
     multimodal model type (`qwen3_5`, `qwen3_5_moe`), even for text-only data. What
-    `Qwen3VLProcessor.save_pretrained` writes, sized to the tiny vision tower (8x8 patches, 2x2
-    merge: a 16x16 image is one image token; images are resized to 1-64 such tokens). Written as
-    data, so no image backend is needed to write it (loading it needs torchvision)."""
+    `Qwen3VLProcessor.save_pretrained` writes, sized to the checkpoint's vision tower (the tiny one:
+    8x8 patches, 2x2 merge, a 16x16 image is one image token). Images are resized to between
+    `min_image_tokens` and `max_image_tokens` merged tokens (the published Qwen3.5 processor: 64 and
+    16,384, i.e. 65,536 and 16,777,216 pixels at 32x32 pixels a token). Written as data, so no image
+    backend is needed to write it (loading it needs torchvision)."""
     v = config.vision_config
     common = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
               "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "merge_size": v.spatial_merge_size,
@@ -583,7 +585,8 @@ def write_processor(out: Path, config) -> Path:
     processor = {
         "processor_class": "Qwen3VLProcessor",
         "image_processor": {**common, "image_processor_type": "Qwen2VLImageProcessor",
-                            "size": {"shortest_edge": unit, "longest_edge": 64 * unit}},
+                            "size": {"shortest_edge": min_image_tokens * unit,
+                                     "longest_edge": max_image_tokens * unit}},
         "video_processor": {**common, "video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True,
                             "fps": 2, "min_frames": 2, "max_frames": 8, "max_video_tokens": 64,
                             "return_metadata": False,

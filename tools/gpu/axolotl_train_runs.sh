@@ -22,6 +22,8 @@
 # RUN_TIMEOUT (400 s)), RETRY_SAFE (1; once a -safe retry succeeds, later axolotl/fastqwen runs
 # use -safe too, so both keep the same switches),
 # SET (extra make_train_config --set items, space separated, applied to every run), TAG,
+# VISION_ROWS (image+text rows for the vision runs, issue 34; 0: none; part of the assets' identity),
+# STEPS_<run> (max_steps of one run, dashes as underscores: STEPS_vision_plugin=10),
 # CPU_TEST=1 (tiny widths on CPU, CUDA-only switches off: the CPU rehearsal of this script).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,7 +43,8 @@ PY=${FQ_PYTHON:-python3}
 log "closure ready"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 
-asset_args=(--out "$ASSETS" --layers "$LAYERS" --steps "${ASSET_STEPS:-$STEPS}" --budget "$BUDGET")
+asset_args=(--out "$ASSETS" --layers "$LAYERS" --steps "${ASSET_STEPS:-$STEPS}" --budget "$BUDGET"
+            --vision-rows "${VISION_ROWS:-0}")
 cfg_extra=()
 if [ "$CPU_TEST" = 1 ]; then
   asset_args+=(--tiny --device cpu --median "${MEDIAN:-300}")
@@ -51,6 +54,7 @@ $PY tools/gpu/make_27b_assets.py "${asset_args[@]}" > "$WORK/assets.json" 2> "$W
   || { log "asset writing failed"; tail -20 "$WORK/assets.log"; exit 1; }
 MODEL=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get('checkpoint'))" "$WORK/assets.json")
 DATA=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get('data'))" "$WORK/assets.json")
+VDATA=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get('vision_data'))" "$WORK/assets.json")
 cp "$ASSETS/MANIFEST.json" "$WORK/assets_manifest.json" 2>/dev/null || true
 log "assets: $MODEL, $DATA"
 df -h /tmp | tail -1
@@ -60,10 +64,12 @@ for kv in $SET; do set_args+=(--set "$kv"); done
 [ "$GC" = 1 ] && cfg_extra+=(--gc)
 
 one_run() {  # one_run NAME TIMEOUT -> exit code; leaves $WORK/NAME/{config.yml,train.log,run.json,...}
-  local name=$1 limit=$2 dir="$WORK/$1"
+  local name=$1 limit=$2 dir="$WORK/$1" data=$DATA steps
+  [[ "$name" == vision* ]] && data=$VDATA
+  eval "steps=\${STEPS_${name//-/_}:-$STEPS}"  # STEPS_<run> (dashes as _) overrides STEPS for one run
   rm -rf "$dir"; mkdir -p "$dir"
-  $PY tools/gpu/make_train_config.py --run "$name" --model "$MODEL" --data "$DATA" --out-dir "$dir/out" \
-    --prepared "$WORK/prepared-$name" --budget "$BUDGET" --max-steps "$STEPS" --seed "$SEED" \
+  $PY tools/gpu/make_train_config.py --run "$name" --model "$MODEL" --data "$data" --out-dir "$dir/out" \
+    --prepared "$WORK/prepared-$name" --budget "$BUDGET" --max-steps "$steps" --seed "$SEED" \
     "${cfg_extra[@]}" "${set_args[@]}" -o "$dir/config.yml" >/dev/null || return 90
   log "run $name (timeout ${limit}s)"
   local t0=$SECONDS rc

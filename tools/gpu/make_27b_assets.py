@@ -17,6 +17,13 @@ Writes, under --out:
   (``conversations`` of ``{"from": "system"|"human"|"gpt", "value": ...}``) whose token lengths
   are lognormal (median ~500, sigma 1.0) clipped to ``--max-tokens``; enough rows for
   ``--steps`` packed steps of ``--budget`` tokens with a 1.4x margin.
+* ``data/vision_chat.jsonl`` + ``data/images/`` (``--vision-rows N``, issue 34): image+text chat rows
+  in the layout of Axolotl's Qwen3.5 vision example (llava-instruct-mix-vsft: multi-content
+  ``messages``, ``{"type": "image", "path": ...}`` parts), with random-pixel PNGs at the sizes of
+  that dataset's COCO photos (640x480, 480x640, 640x427, 500x375, 612x612, 640x360: 190-360 image
+  tokens after the processor's resize to 32-pixel multiples); one image per sample, two in 10%;
+  1-3 turns whose text is lognormal (median ~130 tokens). The processor files then carry the
+  published Qwen3.5 resize limits (64 to 16,384 image tokens) instead of the tiny assets' 1 to 64.
 * ``MANIFEST.json``: what was written, the length statistics and the timings.
 
 Depth: the 64-layer checkpoint is 54 GB of bf16 (the disk there is 64 GiB, and an FFT's final
@@ -199,6 +206,55 @@ def write_chat_data(path: Path, tokenizer, *, steps: int, budget: int, median: i
             else "tokenizer chat_template", "min_packed_rows": math.ceil(sum(s) / budget)}
 
 
+PHOTO_SIZES = ((640, 480), (480, 640), (640, 427), (500, 375), (612, 612), (640, 360))  # width, height
+VISION_TEXT_MEDIAN = 130  # tokens of text a sample, all turns together
+
+
+def image_tokens(width: int, height: int, unit: int = 32) -> int:
+    """Merged image tokens the Qwen3.5 processor gives a photo inside its pixel limits (each side
+    rounded to a multiple of 32 pixels: 16-pixel patches, 2x2 merge)."""
+    return max(1, round(height / unit)) * max(1, round(width / unit))
+
+
+def write_vision_data(path: Path, images_dir: Path, rows: int, seed: int) -> dict:
+    ta = _tiny_assets()
+
+    rng = random.Random(f"vision27b:{seed}")
+    images_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    n_images, tokens = 0, []
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in range(rows):
+            k_images = 2 if rng.random() < 0.1 else 1
+            text_tokens = ta.sample_lengths(rng, 1, median=VISION_TEXT_MEDIAN, max_tokens=1500, min_tokens=24,
+                                            sigma=0.8)[0]
+            turns = rng.choice((1, 1, 2, 3))
+            per_turn = max(12, text_tokens // turns)
+            messages, vision = [], 0
+            for turn in range(turns):
+                parts = []
+                if turn == 0:
+                    for k in range(k_images):
+                        w, h = rng.choice(PHOTO_SIZES)
+                        image = images_dir / f"{row}_{k}.png"
+                        ta.write_png(image, w, h, rng.randbytes(w * h * 3), level=1)
+                        parts.append({"type": "image", "path": str(image.resolve())})
+                        vision += image_tokens(w, h) + 2
+                        n_images += 1
+                question = max(4, int(0.2 * per_turn / ta.TOKENS_PER_WORD))
+                answer = max(4, int(0.8 * per_turn / ta.TOKENS_PER_WORD))
+                parts.append({"type": "text", "text": ta.generate_text(rng, question)})
+                messages += [{"role": "user", "content": parts},
+                             {"role": "assistant", "content": [{"type": "text", "text": ta.generate_text(rng, answer)}]}]
+            tokens.append(vision + text_tokens)
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    s = sorted(tokens)
+    return {"rows": rows, "images": n_images, "approx_tokens": sum(s), "approx_median": s[len(s) // 2],
+            "approx_max": s[-1], "image_sizes": [f"{w}x{h}" for w, h in PHOTO_SIZES],
+            "note": "approx: image tokens from the resize rule plus the planned text tokens, before the chat template"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="assets folder, e.g. /tmp/fq27b")
@@ -216,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=None, help="longest row (default budget - 256)")
     p.add_argument("--min-tokens", type=int, default=32)
+    p.add_argument("--vision-rows", type=int, default=0, help="image+text chat rows to write (0: none)")
     p.add_argument("--force", action="store_true", help="rewrite even when MANIFEST matches")
     args = p.parse_args(argv)
 
@@ -229,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     request = {"name": name, "layers": args.layers, "tiny": args.tiny, "vocab_size": args.vocab_size,
                "vision_depth": args.vision_depth, "dtype": args.dtype, "seed": args.seed, "steps": args.steps,
                "budget": args.budget, "rows": args.rows, "median": args.median, "sigma": args.sigma,
-               "max_tokens": max_tokens, "min_tokens": args.min_tokens,
+               "max_tokens": max_tokens, "min_tokens": args.min_tokens, "vision_rows": args.vision_rows,
                "generator_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
     manifest_path = out / "MANIFEST.json"
     if not args.force and manifest_path.exists():
@@ -238,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             old = {}
         if old.get("request") == request and (ckpt / "config.json").exists() and data.exists():
-            print(json.dumps({"reused": str(manifest_path), "checkpoint": str(ckpt), "data": str(data)}))
+            print(json.dumps({"reused": str(manifest_path), "checkpoint": str(ckpt), "data": str(data),
+                              "vision_data": old.get("vision_data")}))
             return 0
     t0 = time.perf_counter()
     manifest_path.unlink(missing_ok=True)
@@ -249,14 +307,24 @@ def main(argv: list[str] | None = None) -> int:
 
     config = vl_config(args.layers, args.tiny, args.vocab_size, args.vision_depth)
     tokenizer = ta.build_tokenizer(ckpt, seed=args.seed)
-    ta.write_processor(ckpt, config)
+    if args.tiny:
+        ta.write_processor(ckpt, config)
+    else:  # the published Qwen3.5 processor's limits
+        ta.write_processor(ckpt, config, min_image_tokens=64, max_image_tokens=16_384)
     tok_s = time.perf_counter() - t0
     model_info = write_checkpoint(ckpt, config, device, args.seed, args.dtype)
     t1 = time.perf_counter()
     stats = write_chat_data(data, tokenizer, steps=args.steps, budget=args.budget, median=args.median,
                             sigma=args.sigma, max_tokens=max_tokens, min_tokens=args.min_tokens, seed=args.seed,
                             rows=args.rows, template=axolotl_template())
+    vision_data, vision_stats = None, None
+    if args.vision_rows:
+        t2 = time.perf_counter()
+        vision_data = out / "data" / "vision_chat.jsonl"
+        vision_stats = write_vision_data(vision_data, out / "data" / "images", args.vision_rows, args.seed)
+        vision_stats["write_s"] = round(time.perf_counter() - t2, 2)
     manifest = {"request": request, "checkpoint": str(ckpt), "data": str(data), "device": device,
+                "vision_data": str(vision_data) if vision_data else None, "vision_dataset": vision_stats,
                 "model": model_info, "dataset": stats, "tokenizer_s": round(tok_s, 2),
                 "data_s": round(time.perf_counter() - t1, 2), "total_s": round(time.perf_counter() - t0, 2)}
     tmp = manifest_path.with_suffix(".tmp")

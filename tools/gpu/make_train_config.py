@@ -26,6 +26,16 @@ Runs (--run):
 * ``example-plugin``: ``example`` with ``axolotl_fastqwen.FastQwenPlugin`` appended to ``plugins:``
   and nothing else changed (the plugin then takes ``sample_packing`` over, and chooses
   ``fastqwen_checkpointing: auto`` by itself).
+* ``vision`` (issue 34): Axolotl's own ``examples/qwen3.5/9b-lora-vision.yaml`` (the copy in
+  ``tests/axolotl_examples/``) as written: ``processor_type: AutoProcessor``,
+  ``skip_prepare_dataset``, ``sample_packing: false``, micro batch 1 (one image+text sample a
+  micro-step), gradient accumulation 4, LoRA r=32 on q/k/v/o/up/down, 8-bit AdamW, bf16, tf32,
+  gradient checkpointing, ``sequence_len`` 8192; only the local paths, a fixed seed, ``max_steps``,
+  no eval or saves, sdpa for ``flash_attention_2`` (no flash-attn on the image), and fla's Hopper
+  guard lifted as for ``axolotl`` (transformers' own GDN calls fla's kernels when it is installed).
+* ``vision-plugin``: ``vision`` with ``axolotl_fastqwen.FastQwenPlugin`` appended to ``plugins:``
+  and ``sample_packing: true`` (Axolotl cannot pack this data; with the plugin that key means
+  "pack my data": its image+text packer fills rows of ``sequence_len`` x micro batch tokens).
 * ``*-safe`` (``axolotl-safe``, ``fastqwen-safe``): without ``fused_attn_kernel`` and
   ``liger_rms_norm_gated``, the two newest Qwen3.5-specific switches; the driver retries with
   these when a run dies before its first step.
@@ -66,7 +76,10 @@ EXAMPLES = {
     "fft": "examples/qwen3_5-27b-fft.yml",
     "example": "tests/axolotl_examples/27b-qlora.yaml",
     "example-plugin": "tests/axolotl_examples/27b-qlora.yaml",
+    "vision": "tests/axolotl_examples/9b-lora-vision.yaml",
+    "vision-plugin": "tests/axolotl_examples/9b-lora-vision.yaml",
 }
+VISION = ("vision", "vision-plugin")
 CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 # CPU smoke test only: what needs CUDA (Triton kernels, Liger, bf16 autocast) off.
 CPU_OFF = {
@@ -109,6 +122,9 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
             cfg["sample_packing"] = False
         else:  # fla refuses its gated backward on Hopper + Triton 3.6 (fla#640); ours lifts it itself
             cfg["plugins"] = [FLA_GUARD] + cfg["plugins"]
+    if base in VISION:
+        return _vision(cfg, base, model=model, data=data, out_dir=out_dir, prepared=prepared, max_steps=max_steps,
+                       seed=seed, cpu=cpu, probe=probe)
     if run.endswith("-safe"):
         for key in RISKY:
             cfg.pop(key, None)
@@ -149,6 +165,27 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
         cfg["dataset_num_proc"] = 1
         if cfg.get("optimizer") == "adamw_torch_fused":
             cfg["optimizer"] = "adamw_torch"
+    return cfg
+
+
+def _vision(cfg: dict, base: str, *, model: str, data: str, out_dir: str, prepared: str, max_steps: int,
+            seed: int, cpu: bool, probe: bool) -> dict:
+    """The vision example as written; only what points it at local files and makes it a timed run."""
+    cfg["plugins"] = [FLA_GUARD] + list(cfg.get("plugins") or [])  # as for `example`: fla#640 on Triton 3.6
+    if base == "vision-plugin":
+        _plugins(cfg, [FASTQWEN], [])
+        cfg["sample_packing"] = True
+    cfg["base_model"] = model
+    cfg["datasets"] = [{**cfg["datasets"][0], "path": data, "ds_type": "json", "split": "train"}]
+    cfg.update(output_dir=out_dir, dataset_prepared_path=prepared, max_steps=max_steps, seed=seed, val_set_size=0.0,
+               save_strategy="no", attn_implementation="sdpa", flash_attention=False)
+    for key in ("evals_per_epoch", "saves_per_epoch"):
+        cfg.pop(key, None)
+    if probe:
+        _plugins(cfg, [PROBE], [])
+    if cpu:
+        cfg.update(bf16=False, tf32=False, optimizer="adamw_torch", dataloader_num_workers=0,
+                   dataloader_pin_memory=False)
     return cfg
 
 

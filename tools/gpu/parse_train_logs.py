@@ -15,10 +15,13 @@ lines, whose values Axolotl rounds to 4 significant digits): per step ``loss``,
 * ``slot_tokens_per_s`` = final ``tokens/total`` / ``train_runtime`` (padded row slots);
 * ``real_tokens_per_s`` = the probe's non-pad tokens over all steps / ``train_runtime``;
 * ``sequences_per_s`` = the probe's sequences (conversations) / ``train_runtime`` (the Trainer's
-  ``train_samples_per_second`` counts packed rows: micro-batches x batch size);
+  ``train_samples_per_second`` counts packed rows: micro-batches x batch size); ``images_per_s``
+  likewise from the probe's ``image_grid_thw`` rows (image+text runs);
 * ``steady_*``: medians over the steps after the first ``--warmup`` (the Trainer's rate includes
   the first steps' compiling and autotuning);
-* wall time to first step and peak memory from the probe.
+* wall time to first step and peak memory from the probe;
+* for each pair in ``PAIRS`` (the same YAML without and with the plugin line) the ratios of
+  ``PAIR_RATIOS``, memory and the loss.
 """
 
 from __future__ import annotations
@@ -135,6 +138,11 @@ def summarise_run(run_dir: Path, warmup: int) -> dict:
         out["real_tokens_per_s"] = _r(sum(real) / runtime)
         out["sequences_per_s"] = _r(sum(seqs) / runtime, 2)
         out["padding_fraction"] = _r(1 - sum(real) / max(1, sum(s.get("slots") or 0 for s in psteps)), 4)
+        images = [s.get("images") for s in psteps]
+        if all(isinstance(v, (int, float)) for v in images) and sum(images):
+            out["images"] = int(sum(images))
+            out["vision_tokens"] = int(sum(s.get("vision_tokens") or 0 for s in psteps))
+            out["images_per_s"] = _r(sum(images) / runtime, 2)
     late = [s for s in psteps if s.get("dt") and s["step"] > warmup]
     if late:
         dt = _median([s["dt"] for s in late])
@@ -143,6 +151,8 @@ def summarise_run(run_dir: Path, warmup: int) -> dict:
         if tok and dt:
             out["steady_real_tokens_per_s"] = _r(tok / dt)
             out["steady_tokens_per_s_mean"] = _r(sum(s["real_tokens"] for s in late) / sum(s["dt"] for s in late))
+        if all(isinstance(s.get("sequences"), (int, float)) for s in late):
+            out["steady_sequences_per_s"] = _r(sum(s["sequences"] for s in late) / sum(s["dt"] for s in late), 2)
         out["step_s"] = [s.get("dt") for s in psteps]
     phases = probe.get("phases", {})
     out["phases_s"] = phases
@@ -170,6 +180,30 @@ def _fmt(x, nd=0):
     return f"{x:,}" if isinstance(x, int) else str(x)
 
 
+PAIRS = (("axolotl", "fastqwen"), ("example", "example-plugin"), ("vision", "vision-plugin"))  # (without, with)
+PAIR_RATIOS = (("real_tokens_per_s", "real tokens/s (train_runtime)"),
+               ("steady_real_tokens_per_s", "steady-state real tokens/s"),
+               ("sequences_per_s", "sequences/s (train_runtime)"),
+               ("steady_sequences_per_s", "steady-state sequences/s"),
+               ("images_per_s", "images/s (train_runtime)"))
+
+
+def _pair_lines(a: dict, f: dict) -> list[str]:
+    """The plugin's run `f` against the same YAML without it, `a`: ratios, memory and loss."""
+    lines = ["", f"{f['run']} vs {a['run']}:"]
+    for key, label in PAIR_RATIOS:
+        if a.get(key) and f.get(key):
+            lines.append(f"- {label}: {f[key] / a[key]:.2f}x ({_fmt(f[key])} vs {_fmt(a[key])})")
+    if a.get("peak_alloc_gib") and f.get("peak_alloc_gib"):
+        lines.append(f"- peak allocated: {_fmt(f['peak_alloc_gib'], 1)} GiB vs {_fmt(a['peak_alloc_gib'], 1)} GiB")
+    la, lf = [x for x in a["loss"] if isinstance(x, float)], [x for x in f["loss"] if isinstance(x, float)]
+    if la and lf:
+        k = min(10, len(la), len(lf))
+        lines.append(f"- loss, mean of the last {k} logged steps: {f['run']} {sum(lf[-k:]) / k:.4f}, "
+                     f"{a['run']} {sum(la[-k:]) / k:.4f} (first step {lf[0]:.4f} / {la[0]:.4f})")
+    return lines
+
+
 def markdown(runs: list[dict], title: str) -> str:
     lines = [f"# {title}", "",
              "| run | exit | steps | train_runtime s | Trainer samples/s (rows) | real tokens/s | sequences/s | "
@@ -185,21 +219,10 @@ def markdown(runs: list[dict], title: str) -> str:
             _fmt(r["time_to_first_step_s"], 1), _fmt(r["peak_alloc_gib"], 1), _fmt(r["peak_reserved_gib"], 1),
             _fmt(last, 4), _fmt(r["wall_s"], 0)]) + " |")
     by = {r["run"].split(".")[0]: r for r in runs}
-    a, f = by.get("axolotl") or by.get("axolotl-safe"), by.get("fastqwen") or by.get("fastqwen-safe")
-    if a and f:
-        lines.append("")
-        for key, label in (("real_tokens_per_s", "real tokens/s (train_runtime)"),
-                           ("steady_real_tokens_per_s", "steady-state real tokens/s"),
-                           ("sequences_per_s", "sequences/s")):
-            if a.get(key) and f.get(key):
-                lines.append(f"- fastqwen vs Axolotl, {label}: {f[key] / a[key]:.2f}x ({_fmt(f[key])} vs {_fmt(a[key])})")
-        if a.get("peak_alloc_gib") and f.get("peak_alloc_gib"):
-            lines.append(f"- peak allocated: {_fmt(f['peak_alloc_gib'], 1)} GiB vs {_fmt(a['peak_alloc_gib'], 1)} GiB")
-        la, lf = [x for x in a["loss"] if isinstance(x, float)], [x for x in f["loss"] if isinstance(x, float)]
-        if la and lf:
-            k = min(10, len(la), len(lf))
-            lines.append(f"- loss, mean of the last {k} logged steps: fastqwen {sum(lf[-k:]) / k:.4f}, "
-                         f"Axolotl {sum(la[-k:]) / k:.4f} (first step {lf[0]:.4f} / {la[0]:.4f})")
+    for base, plugin in PAIRS:
+        a, f = by.get(base) or by.get(f"{base}-safe"), by.get(plugin) or by.get(f"{plugin}-safe")
+        if a and f:
+            lines += _pair_lines(a, f)
     for r in runs:
         if r.get("notes"):
             lines += ["", f"## {r['run']}: notes from the log", "", *[f"- `{n}`" for n in r["notes"]]]

@@ -9,8 +9,9 @@ end of training:
   the end of the first optimizer step (``first_step_end``: the wall time to first step) and train end;
 * ``steps``: per optimizer step, its wall time (``torch.cuda.synchronize`` at each step end), the
   running ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (GiB), and what the step's
-  micro-batches held: token slots, real (non-pad) tokens, trainable labels and sequences (counted
-  from ``position_ids`` restarts on real tokens), counted on the batches as the Trainer got them;
+  micro-batches held: token slots, real (non-pad) tokens, trainable labels, sequences (counted
+  from ``position_ids`` restarts on real tokens; row 0 of a packed image+text row's ``[4, B, T]``),
+  images and merged vision tokens (``image_grid_thw``), counted on the batches as the Trainer got them;
 * ``peak``: the process-wide peaks, ``mem_get_info`` at the end, device name and the versions and
   paths of the packages that were actually imported (carried wheels vs the image's).
 """
@@ -98,7 +99,12 @@ class _Probe:
             else:
                 seqs = (real.sum(-1) > 0).sum()
             trainable = (labels != -100).sum() if labels is not None else real.sum()
-            vec = torch.stack([torch.tensor(ids.numel(), device=ids.device), real.sum(), trainable, seqs])
+            grid = inputs.get("image_grid_thw")
+            images = grid.shape[0] if grid is not None else 0
+            vision = (grid.prod(-1).sum() // 4) if grid is not None else 0  # merged tokens (2x2 merge)
+            vec = torch.stack([torch.tensor(ids.numel(), device=ids.device), real.sum(), trainable, seqs,
+                               torch.tensor(images, device=ids.device),
+                               torch.as_tensor(vision, device=ids.device)]).to(torch.long)
             self._acc = vec if self._acc is None else self._acc + vec
         except Exception as exc:  # noqa: BLE001 - a probe must never break the run
             self.info["count_error"] = repr(exc)
@@ -111,13 +117,14 @@ class _Probe:
         if cuda:
             torch.cuda.synchronize()
             now = time.time()
-        counts = self._acc.tolist() if self._acc is not None else [None] * 4
+        counts = self._acc.tolist() if self._acc is not None else [None] * 6
         self._acc = None
         row = {
             "step": int(state.global_step),
             "t": round(now - self.t0, 4),
             "dt": round(now - self._last, 4) if self._last is not None else None,
             "slots": counts[0], "real_tokens": counts[1], "trainable": counts[2], "sequences": counts[3],
+            "images": counts[4], "vision_tokens": counts[5],
         }
         if cuda:
             row["max_alloc_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
@@ -196,6 +203,7 @@ class TrainProbePlugin(BasePlugin):
     def post_trainer_create(self, cfg, trainer):
         self.probe.mark("post_trainer_create")
         tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+        tok = getattr(tok, "tokenizer", tok)  # a multimodal run's processor holds the tokenizer
         pad = getattr(tok, "pad_token_id", None)
         self.probe.pad_id = int(pad) if pad is not None else None
         self.probe.info.update(pad_token_id=self.probe.pad_id, trainer_class=type(trainer).__name__,
