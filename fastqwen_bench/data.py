@@ -1,6 +1,9 @@
 """One deterministic token stream, cut into each path's batch layout from the same sequence order.
 
-Lengths are lognormal (median ~500, SFT-like), clipped to [32, min(2048, budget/2)]; token ids are
+Three streams (`STREAMS`): `sft` (the default), lengths lognormal (median ~500, SFT-like) clipped
+to [32, min(2048, budget/2)]: short sequences packed long; `long`, lengths log-uniform from
+min(8192, budget/4) to the whole row: long-context fine-tuning, one to a few sequences a row;
+`single`, every sequence exactly the row: the longest sequence a step can train. Token ids are
 random. The stream is planned once into packed rows (`PackedBatchSampler`); the concatenation of
 those rows is THE sequence order: packed paths take one row per step, padded paths take
 `micro_batch_size` consecutive sequences of the same order per step. The first row is also the
@@ -21,6 +24,8 @@ from axolotl_fastqwen.packing import PackedBatchSampler, PackedCollator
 IGNORE = -100
 PAD_ID = 0
 LAYOUTS = ("padded", "flattening", "multipack", "packed")
+STREAMS = ("sft", "long", "single")
+LONG_MIN = 8192  # the shortest sequence of the `long` stream (or a quarter of the row, if less)
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Workload:
     sigma: float
     min_len: int
     max_len: int
+    stream: str = "sft"
 
     @property
     def order(self) -> list[int]:
@@ -70,11 +76,16 @@ class Workload:
         return [first]
 
     def describe(self) -> dict:
+        distribution = {
+            "sft": f"lognormal(median {self.median:g}, sigma {self.sigma:g}) clipped to [{self.min_len}, {self.max_len}]",
+            "long": f"log-uniform over [{self.min_len}, {self.max_len}]",
+            "single": f"every sequence {self.max_len} tokens (one a row)",
+        }[self.stream]
         return {
+            "stream": self.stream,
             "sequences": int(len(self.lengths)),
             "tokens": int(self.lengths.sum()),
-            "length_distribution": f"lognormal(median {self.median:g}, sigma {self.sigma:g}) clipped to "
-            f"[{self.min_len}, {self.max_len}]",
+            "length_distribution": distribution,
             "length_mean": round(float(self.lengths.mean()), 1),
             "length_median": float(np.median(self.lengths)),
             "packed_rows": len(self.bins),
@@ -99,26 +110,38 @@ def make_workload(
     min_len: int = 32,
     max_len: int | None = None,
     micro_batch_size: int | None = None,
+    stream: str = "sft",
 ) -> Workload:
     """Enough sequences for `steps` packed rows and `steps` padded batches (with slack).
 
     Lengths are drawn in blocks from one generator, so a longer stream extends a shorter one.
-    When the cap is under 4x the median (small budgets), the median is lowered to cap/4.
+    `sft`: when the cap is under 4x the median (small budgets), the median is lowered to cap/4.
+    `long` and `single` ignore `median`, `sigma`, `min_len` and `max_len` (see the module's doc).
     """
-    max_len = min(2048, budget // 2) if max_len is None else int(max_len)
-    min_len = min(min_len, max_len)
-    median = min(float(median), max_len / 4) if max_len < 4 * median else float(median)
+    if stream not in STREAMS:
+        raise ValueError(f"unknown stream {stream!r}; one of {', '.join(STREAMS)}")
+    if stream == "sft":
+        max_len = min(2048, budget // 2) if max_len is None else int(max_len)
+        min_len = min(min_len, max_len)
+        median = min(float(median), max_len / 4) if max_len < 4 * median else float(median)
+    else:
+        max_len = budget
+        min_len = budget if stream == "single" else min(LONG_MIN, budget // 4)
+        median, sigma = float(round(math.sqrt(min_len * max_len))), 0.0
     rng = np.random.default_rng([seed, 3])
     want_tokens = (steps + 2) * budget * 1.25
     want_seqs = steps * (micro_batch_size or 1) + 1
     blocks = []
     while not blocks or (sum(b.sum() for b in blocks) < want_tokens or sum(b.size for b in blocks) < want_seqs):
-        raw = rng.lognormal(mean=math.log(median), sigma=sigma, size=256)
+        if stream == "sft":
+            raw = rng.lognormal(mean=math.log(median), sigma=sigma, size=256)
+        else:  # log-uniform; `single` has min_len == max_len
+            raw = np.exp(rng.uniform(math.log(min_len), math.log(max_len), size=256))
         blocks.append(np.clip(np.rint(raw), min_len, max_len).astype(np.int64))
     lengths = np.concatenate(blocks)
     sampler = PackedBatchSampler(lengths, budget, seed=seed, num_replicas=1, interleave_replicas=False)
     bins = [[int(i) for i in b] for b in sampler]
-    return Workload(budget, vocab_size, seed, lengths, bins, median, sigma, min_len, max_len)
+    return Workload(budget, vocab_size, seed, lengths, bins, median, sigma, min_len, max_len, stream)
 
 
 # --------------------------------------------------------------------------------------------

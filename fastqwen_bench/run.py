@@ -65,7 +65,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--median-length", type=float, default=500.0, help="median sequence length of the stream")
+    p.add_argument("--median-length", type=float, default=500.0, help="median sequence length of the sft stream")
+    p.add_argument("--stream", default="sft", choices=data.STREAMS,
+                   help="sft: short sequences (lognormal, <= 2048) packed long; long: sequences log-uniform from "
+                   "min(8192, budget/4) to the row; single: one sequence filling each row (long-context rows)")
     p.add_argument(
         "--autocast", default="auto", choices=("auto", "on", "off"),
         help="run forwards under torch.autocast(bf16), as HF Trainer / Accelerate do for `bf16: true` "
@@ -190,7 +193,7 @@ def prepare(args, steps_per_path: int) -> Setup:
     steps = steps_per_path
     workload = data.make_workload(
         budget=args.budget, vocab_size=config.vocab_size, steps=steps, seed=args.seed,
-        median=args.median_length, micro_batch_size=args.micro_batch_size,
+        median=args.median_length, micro_batch_size=args.micro_batch_size, stream=args.stream,
     )
     mbs = args.micro_batch_size or workload.default_micro_batch_size(steps)
     info = {

@@ -457,6 +457,36 @@ def test_every_layout_scores_the_same_targets():
     assert np.array_equal(w.tokens(order[0]), seqs[0])
 
 
+def test_long_streams_draw_sequences_from_8k_to_the_row_and_single_rows():
+    """Issue 37's streams: `long` lengths within [min(8192, budget/4), budget], some near each end,
+    one to a few a row; `single` one sequence of exactly the budget a row; `sft` unchanged."""
+    w = data.make_workload(budget=65_536, vocab_size=512, steps=20, seed=0, stream="long")
+    assert w.lengths.min() >= 8192 and w.lengths.max() <= 65_536 and w.stream == "long"
+    assert (w.lengths < 12_000).any() and (w.lengths > 48_000).any()
+    assert max(len(b) for b in w.bins) <= 8 and all(sum(w.lengths[i] for i in b) <= 65_536 for b in w.bins)
+    assert "log-uniform over [8192, 65536]" in w.describe()["length_distribution"]
+    small = data.make_workload(budget=4096, vocab_size=512, steps=3, seed=0, stream="long")
+    assert small.lengths.min() >= 1024 and small.lengths.max() <= 4096  # a quarter of a small row
+    single = data.make_workload(budget=131_072, vocab_size=512, steps=3, seed=0, stream="single")
+    assert set(single.lengths.tolist()) == {131_072} and all(len(b) == 1 for b in single.bins)
+    assert single.default_micro_batch_size(3) == 1
+    assert data.make_workload(budget=8192, vocab_size=512, steps=3, seed=0).lengths.max() <= 2048
+    with pytest.raises(ValueError, match="unknown stream"):
+        data.make_workload(budget=8192, vocab_size=512, steps=3, stream="longest")
+
+
+def test_bench_trains_a_single_sequence_row(tmp_path):
+    """`--stream single`: each step one sequence as long as the row, through the plugin's path and
+    stock's padded one (same sequence, no padding), with the same calibration loss."""
+    rc = bench_cli(["bench", "--model", "tiny", "--device", "cpu", "--budget", "2048", "--seed", "0", "--stream",
+                    "single", "--paths", "a,e", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    a, e = _path(result, "stock-torch-padded"), _path(result, "fastqwen")
+    assert rc == 0 and a["status"] == e["status"] == "ok"
+    assert result["workload"]["stream"] == "single" and e["padding_fraction"] == a["padding_fraction"] == 0
+    assert abs(a["calibration_loss"] - e["calibration_loss"]) <= 1e-4 * a["calibration_loss"]
+
+
 class _Event:
     """Stands in for a profiler event in the GPU-timeline analysis (no GPU here to record real ones)."""
 

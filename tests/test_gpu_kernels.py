@@ -165,6 +165,71 @@ def test_27b_slice_bf16_kernels_match_fp32_reference(conv, gdn, gpu_record):
     assert loss_err <= MODEL_TOL and grad_err <= MODEL_TOL
 
 
+LONG_LENGTHS = [66_000, 1, 1_583]  # 67,584 tokens: a sequence past 64k, a 1-token one, a short tail
+
+
+def test_gated_delta_rule_state_over_64k_tokens_bf16_against_fp32(gpu_record):
+    """Issue 37: the chunk kernel carries one state over 1,032 chunks at the 27B head dims in bf16;
+    its outputs and input gradients against the fp32 PyTorch reference on the same packed row, over
+    the whole row and over the last 1,024 tokens of the long sequence (where drift would show).
+    Tolerance: the op checks' 2e-2. Written 2026-12-06; not yet run on a GPU."""
+    backend = next((b for b in kernel_backends() if b.op == "gated_delta_rule" and b.name == "fla"), None)
+    if backend is None or backend.available(torch.device("cuda")) is not None:
+        pytest.skip("fla is not installed")
+    from axolotl_fastqwen.kernel_choice import hopper_guard
+
+    reference = reference_backend(kernel_backends(), "gated_delta_rule")
+    cu = torch.tensor([0, *torch.tensor(LONG_LENGTHS).cumsum(0).tolist()])
+    boundaries = Boundaries.from_cu_seqlens(cu.cuda(), device=torch.device("cuda"), host=cu)
+    inputs, extra = check_inputs("gated_delta_rule", QWEN35_27B, "cuda", tokens=int(cu[-1]))
+    lifted = hopper_guard.active()
+    if lifted:
+        hopper_guard.lift(backend)
+    try:
+        err = compare(bind("gated_delta_rule", backend.fn, boundaries, extra),
+                      bind("gated_delta_rule", reference.fn, boundaries, extra), inputs, torch.bfloat16)
+        with torch.no_grad():
+            tail = slice(LONG_LENGTHS[0] - 1024, LONG_LENGTHS[0])
+            fast = bind("gated_delta_rule", backend.fn, boundaries, extra)(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs))
+            ref = bind("gated_delta_rule", reference.fn, boundaries, extra)(*(x.float() if x.is_floating_point() else x for x in inputs))
+            tail_err = _rel(fast[:, tail], ref[:, tail])
+    finally:
+        hopper_guard.release(backend)
+    gpu_record({"test": "gdn_state_over_64k_bf16_vs_fp32", "lengths": LONG_LENGTHS, "rel_err_max_fwd_bwd": err,
+                "last_1024_tokens_of_the_long_sequence_rel_err": tail_err, "tolerance": OP_TOL})
+    assert err <= OP_TOL and tail_err <= OP_TOL
+
+
+def test_27b_slice_packed_equals_each_sequence_alone_at_32k(gpu_record):
+    """Issue 37: a 32,768-token row of a 20,000-token sequence, a 1-token one and a 12,767-token one,
+    packed against each alone, bf16, fused kernels. The final hidden states are compared (the
+    248k-wide logits of 32k tokens would be 16 GB). Tolerance: the model checks' 5e-2; the same row
+    without boundaries is the control. Written 2026-12-06; not yet run on a GPU."""
+    lengths = [20_000, 1, 12_767]
+    model = _model_27b_slice().to(torch.bfloat16)
+    patch_model(model, backend="auto")
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 248320, (n,), generator=gen) for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    batch = dict(input_ids=torch.cat(ids)[None].cuda(), position_ids=torch.cat([torch.arange(n) for n in lengths])[None].cuda(),
+                 cu_seq_lens_q=cu.cuda(), cu_seq_lens_k=cu.cuda(), max_length_q=max(lengths), max_length_k=max(lengths),
+                 fastqwen_cu_seqlens_host=tuple(cu.tolist()))
+    final = lambda **kw: model(**kw, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]  # noqa: E731
+    starts = cu[1:-1].tolist()
+    with torch.no_grad():
+        packed = final(**batch)
+        alone = torch.cat([final(input_ids=i[None].cuda()) for i in ids])
+        leaky = final(input_ids=batch["input_ids"])
+    err = _rel(packed, alone)
+    first = [_rel(packed[s : s + 8], alone[s : s + 8]) for s in starts]
+    leak = [_rel(leaky[s : s + 8], alone[s : s + 8]) for s in starts]
+    gpu_record({"test": "27b_slice_packed_vs_alone_bf16_32k", "lengths": lengths, "hidden_rel_err": err,
+                "first_8_tokens_of_each_later_sequence_rel_err": first, "same_tokens_without_boundaries_rel_err": leak,
+                "tolerance": MODEL_TOL})
+    assert err <= MODEL_TOL and max(first) <= MODEL_TOL
+    assert min(leak) > 4 * max(first)
+
+
 def test_27b_slice_packed_equals_each_sequence_alone(gpu_record):
     """bf16, fused kernels: each sequence's logits in the packed row equal running it alone.
 
