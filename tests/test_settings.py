@@ -246,3 +246,7 @@ def test_image_text_data_through_axolotls_processor_is_packed():
                       fastqwen_packing=False)[0].multimodal
     with pytest.raises(ConfigError, match="An image is never split"):
         settle(processor_type="AutoProcessor", skip_prepare_dataset=True, fastqwen_overlong="truncate")
+    # `sample_packing: true` there: what the user had is one-sample batches, not multipack rows
+    settings, edits = settle(processor_type="AutoProcessor", skip_prepare_dataset=True, sample_packing=True)
+    assert settings.user_rows == "padded" and edits == {"sample_packing": False, "eval_sample_packing": False}
+    assert "Axolotl's multipack cannot" in decided(settings) and "multipack replaced" not in decided(settings)

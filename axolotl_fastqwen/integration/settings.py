@@ -254,6 +254,8 @@ def _blockers(cfg: Mapping) -> list[tuple[str, str]]:
 
 
 def _user_rows(cfg: Mapping) -> Rows:
+    if _multimodal(cfg):  # Axolotl's multipack cannot pack image+text samples: its collator processes no images
+        return "padded"
     if _on(cfg.get("sample_packing")):
         return "multipack"
     return "flattening" if _on(cfg.get("batch_flattening")) else "padded"
@@ -366,9 +368,12 @@ def _packing(cfg: Mapping, user_rows: Rows, budget: int, sequence_len: int, micr
     for key, what in PACKER_TAKES_OVER.items():
         if _on(cfg.get(key)):
             edits[key] = False
-            decisions.append(Decision(f"{key}: true", f"{what} replaced by the plugin's packer",
-                                      _takeover_why(budget, sequence_len, micro_batch_size)))
-    if eval_wanted is not None or user_rows == "multipack":
+            done = f"{what} replaced by the plugin's packer"
+            if key == "sample_packing" and _multimodal(cfg):
+                done = ("the plugin's packer packs the image+text samples (Axolotl's multipack cannot: its collator "
+                        "processes no images; without the plugin they run one sample per micro-batch)")
+            decisions.append(Decision(f"{key}: true", done, _takeover_why(budget, sequence_len, micro_batch_size)))
+    if eval_wanted is not None or _on(cfg.get("sample_packing")):
         edits["eval_sample_packing"] = False  # Axolotl must not build multipack eval rows: the packer's run
     if eval_wanted is False:
         decisions.append(Decision("eval_sample_packing: false", "kept: evaluation runs on Axolotl's padded "
