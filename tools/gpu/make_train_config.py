@@ -132,25 +132,11 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
         cfg.pop("fsdp_config", None)  # the example shards over 8 GPUs; this is one
     if base in ("fastqwen", "qlora", "fft"):
         cfg["fastqwen_token_budget"] = budget
-    # local paths and the comparison's shape
-    cfg["base_model"] = model
-    ds = dict(cfg["datasets"][0])
-    ds.update(path=data, ds_type="json", split="train")
-    cfg["datasets"] = [ds]
-    cfg["val_set_size"] = 0.0
-    cfg.pop("evals_per_epoch", None)
-    cfg["output_dir"] = out_dir
-    cfg["dataset_prepared_path"] = prepared
+    _local_run(cfg, model=model, data=data, out_dir=out_dir, prepared=prepared, max_steps=max_steps, seed=seed)
+    # the comparison's shape: one packed row of `budget` tokens per optimizer step in both packers
     cfg["sequence_len"] = budget
     cfg["micro_batch_size"] = 1
     cfg["gradient_accumulation_steps"] = 1
-    cfg["max_steps"] = max_steps
-    cfg["seed"] = seed
-    cfg["logging_steps"] = 1
-    cfg.pop("saves_per_epoch", None)
-    cfg["save_strategy"] = "no"
-    cfg["flash_attention"] = False
-    cfg["attn_implementation"] = "sdpa"
     cfg["gradient_checkpointing"] = bool(gradient_checkpointing)
     if gradient_checkpointing:
         cfg["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
@@ -168,6 +154,17 @@ def build(run: str, *, model: str, data: str, out_dir: str, prepared: str, budge
     return cfg
 
 
+def _local_run(cfg: dict, *, model: str, data: str, out_dir: str, prepared: str, max_steps: int, seed: int) -> None:
+    """What every run changes: local checkpoint, data and output paths, a timed run of `max_steps`
+    with a fixed seed, every step logged, no eval split or saves, sdpa (no flash-attn on the image)."""
+    cfg["base_model"] = model
+    cfg["datasets"] = [{**cfg["datasets"][0], "path": data, "ds_type": "json", "split": "train"}]
+    cfg.update(output_dir=out_dir, dataset_prepared_path=prepared, max_steps=max_steps, seed=seed, val_set_size=0.0,
+               logging_steps=1, save_strategy="no", flash_attention=False, attn_implementation="sdpa")
+    for key in ("evals_per_epoch", "saves_per_epoch"):
+        cfg.pop(key, None)
+
+
 def _vision(cfg: dict, base: str, *, model: str, data: str, out_dir: str, prepared: str, max_steps: int,
             seed: int, cpu: bool, probe: bool) -> dict:
     """The vision example as written; only what points it at local files and makes it a timed run."""
@@ -175,12 +172,7 @@ def _vision(cfg: dict, base: str, *, model: str, data: str, out_dir: str, prepar
     if base == "vision-plugin":
         _plugins(cfg, [FASTQWEN], [])
         cfg["sample_packing"] = True
-    cfg["base_model"] = model
-    cfg["datasets"] = [{**cfg["datasets"][0], "path": data, "ds_type": "json", "split": "train"}]
-    cfg.update(output_dir=out_dir, dataset_prepared_path=prepared, max_steps=max_steps, seed=seed, val_set_size=0.0,
-               save_strategy="no", attn_implementation="sdpa", flash_attention=False)
-    for key in ("evals_per_epoch", "saves_per_epoch"):
-        cfg.pop(key, None)
+    _local_run(cfg, model=model, data=data, out_dir=out_dir, prepared=prepared, max_steps=max_steps, seed=seed)
     if probe:
         _plugins(cfg, [PROBE], [])
     if cpu:
