@@ -272,3 +272,23 @@ def test_an_integrations_class_level_wrapper_forward_runs_when_the_experts_are_n
             assert outers <= {id(m) for m in seen} and sum(f.calls for f in _adapters(model).installed) == 4
     finally:
         unpatch_model(model)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_the_patched_moe_model_traces_whole_under_torch_compile_in_fp32(family):
+    """transformers' own `test_generate_compile_model_forward_fullgraph` on a patched MoE model:
+    torch's grouped GEMM has no fp32 path under torch.compile (its fake kernel refuses anything but
+    bf16), which transformers' dispatcher knows; the plugin's experts must trace whole there too,
+    and give stock's logits (fp32 round-off, `TOL`). Dynamo's own backend: the tracing is what fails."""
+    model = build_tiny_model(family).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with stock_torch_kernels(family), torch.no_grad():
+        stock = model(input_ids=ids).logits
+    patch_model(model)
+    torch._dynamo.reset()
+    try:  # an unpacked batch runs the stock GDN forward: on transformers' PyTorch functions, as in its tests
+        with stock_torch_kernels(family), torch.no_grad():
+            compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids).logits
+    finally:
+        torch._dynamo.reset()
+    assert rel(compiled, stock) <= TOL

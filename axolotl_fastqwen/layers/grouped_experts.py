@@ -55,6 +55,8 @@ def supports(module: nn.Module) -> bool:
 def _fused_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
+    if torch.compiler.is_compiling() and weight.dtype != torch.bfloat16:
+        return False  # its fake kernel refuses other dtypes: torch.compile cannot trace it (fp32 on a CPU)
     if x.device.type == "cuda":  # the CUTLASS kernel: bf16 on sm80+
         return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
     return x.device.type == "cpu"
@@ -62,9 +64,14 @@ def _fused_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(S, in) rows sorted by expert @ weight (E, in, out), rows offsets[e-1]:offsets[e] with
-    expert e -> (S, out). torch's grouped GEMM where it runs; else one matmul per expert."""
+    expert e -> (S, out). torch's grouped GEMM where it runs; else one matmul per expert, through
+    transformers' own custom op for that (`transformers::grouped_mm_fallback`, opaque to
+    torch.compile, with its backward) where it is registered."""
     if _fused_grouped_mm(x, weight):
         return F.grouped_mm(x, weight, offs=offsets)
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:
+        return fallback(x, weight, offsets)
     ends = offsets.tolist()
     starts = [0, *ends[:-1]]
     return torch.cat([x[s:e] @ weight[i] for i, (s, e) in enumerate(zip(starts, ends))])
