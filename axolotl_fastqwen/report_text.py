@@ -34,6 +34,7 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
         for kind in experts.get("by_module_kind", [])[1:]:
             lines.append(f"  {'':<22} {str(kind['implementation']):<16} {kind['modules']} x {kind['class']}, run by "
                          f"{kind['runner']}")
+    lines += _fp8_lines(d.get("fp8"))
     for note in d["notes"]:
         lines.append(f"  note: {note}")
     if d["boundary_sources"]:
@@ -54,6 +55,21 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in d["versions"].items() if v)
     lines.append(f"  versions: {versions}")
     return "\n".join(lines)
+
+
+def _fp8_lines(fp8: dict | None) -> list[str]:
+    """fastqwen_fp8: each frozen projection's decision, and the memory it moved."""
+    if not fp8:
+        return []
+    gib = 1024 ** 3
+    lines = [f"  fp8 frozen GEMMs: {fp8['modules_fp8']} projections in FP8 (e4m3, row-wise scales; "
+             f"{fp8['input_gradient_layout']}); GPU weights {fp8['bf16_bytes_freed'] / gib:.2f} GiB bf16 -> "
+             f"{fp8['fp8_bytes'] / gib:.2f} GiB FP8, bf16 copy on host ({fp8['host_bytes'] / gib:.2f} GiB) for "
+             "unpatch_model"]
+    for role, row in fp8["projections"].items():
+        shape = "x".join(map(str, row["shape"]))
+        lines.append(f"    {role:<24} {shape:<12} {'fp8' if row['fp8'] else 'bf16':<5} {row['why']}")
+    return lines
 
 
 def _why_nothing_lean(checkpointing: dict | None) -> str:

@@ -98,6 +98,16 @@ PATHS: dict[str, PathSpec] = {
             "axolotl-best+fastqwen+ckpt-auto+flash-qla with fastqwen_lean_activations",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean", "packed",
+            "fastqwen+ckpt-auto with fastqwen_lean_activations: what the plugin line alone gives (its defaults) "
+            "with gradient checkpointing on",
+        ),
+        PathSpec(
+            "fastqwen+ckpt-auto+lean+fp8", "packed",
+            "fastqwen+ckpt-auto+lean with fastqwen_fp8: the frozen projections on FP8 GEMMs (quantized once, "
+            "each shape self-checked and timed at load)",
+        ),
+        PathSpec(
             "stock-moe-eager", "padded",
             "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation eager, padded batches",
         ),
@@ -114,12 +124,13 @@ LETTERS = {
     "j": "fastqwen-lora-kernels", "k": "axolotl-best+fastqwen", "l": "axolotl-best+fastqwen+ckpt-auto",
     "m": "fastqwen+ckpt-auto", "n": "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "o": "axolotl-best+fastqwen+ckpt-auto+lean", "p": "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
-    "q": "fastqwen+ckpt-auto+torch-norms",
+    "q": "fastqwen+ckpt-auto+torch-norms", "r": "fastqwen+ckpt-auto+lean+fp8", "s": "fastqwen+ckpt-auto+lean",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
-    "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms", "axolotl-packing",
+    "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
+    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
@@ -129,6 +140,7 @@ REFERENCE_PATHS = ("axolotl-best", "axolotl-best-cce")
 EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm"}
 # path -> the path it repeats with fastqwen_checkpointing: auto (the bench's loop drives the fitter)
 CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torch-norms": "fastqwen",
+                      "fastqwen+ckpt-auto+lean": "fastqwen", "fastqwen+ckpt-auto+lean+fp8": "fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+lean": "axolotl-best+fastqwen",
@@ -138,7 +150,10 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
                      "fastqwen+ckpt-auto+torch-norms": {"rms_norm": "torch"},
                      "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": {"gated_delta_rule": "flash-qla"}}
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
-LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean")
+LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
+                    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8")
+# paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
+FP8 = ("fastqwen+ckpt-auto+lean+fp8",)
 
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
@@ -166,11 +181,12 @@ def stock_kernels(family: str, device_type: str | None = None) -> dict[str, str]
 
 @contextlib.contextmanager
 def installed(name: str, model: torch.nn.Module, family: str, device: torch.device,
-              dtype: torch.dtype = torch.float32, gc: bool = False) -> Iterator[dict]:
+              dtype: torch.dtype = torch.float32, gc: bool = False, budget: int = 8192) -> Iterator[dict]:
     """Set the model up for path `name`; yields an info dict the path's record keeps."""
     info: dict = {"notes": []}
     prefer = KERNEL_PREFERENCE.get(name)
     lean = name in LEAN_ACTIVATIONS
+    fp8 = budget if name in FP8 else None
     if name in CHECKPOINTING_AUTO:
         if not gc:
             raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
@@ -234,7 +250,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
-            with _plugin(model, device, info, prefer):
+            with _plugin(model, device, info, prefer, lean, fp8):
                 yield info
         finally:
             undo.restore()
@@ -266,9 +282,12 @@ def fla_gdn_dispatch() -> str:
 
 @contextlib.contextmanager
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
-            lean: bool = False) -> Iterator[None]:
+            lean: bool = False, fp8_tokens: int | None = None) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
-    report = patch_model(model, prefer=prefer, lean_activations=lean)
+    if fp8_tokens and not hasattr(model, "peft_config"):
+        raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
+    report = patch_model(model, prefer=prefer, lean_activations=lean, fp8=bool(fp8_tokens),
+                         fp8_tokens=fp8_tokens or 8192)
     info["patch_report"] = report
     try:
         if device.type == "cuda":
@@ -312,7 +331,7 @@ def _selfcheck_now(report, model) -> None:
     """Run the plugin's GPU kernel self-check now, before the path's calibration forward, so that
     its kernel runs (and any autotuning they trigger) are not counted in the calibration time."""
     from axolotl_fastqwen.families.base import unwrap
-    from axolotl_fastqwen.patching.patch.decoder_hook import check_shapes, kernel_input_dtype
+    from axolotl_fastqwen.patching.decoder_hook import check_shapes, kernel_input_dtype
     from axolotl_fastqwen.kernel_choice import selfcheck
     from axolotl_fastqwen.kernel_choice.experts_selfcheck import selfcheck_experts
 

@@ -337,7 +337,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
     optimizer = setup.optimizer()
     measure.free_memory(device)
     counters0 = (TRITON.snapshot(), measure.dynamo_snapshot())
-    with installed(name, model, setup.family, device, setup.dtype, bool(args.gc)) as info, \
+    with installed(name, model, setup.family, device, setup.dtype, bool(args.gc), args.budget) as info, \
             contextlib.ExitStack() as undo:
         record["notes"] += info["notes"]
         for key in ("stock_kernels", "axolotl_components", "axolotl_config"):

@@ -261,3 +261,13 @@ def test_lean_activations_train_with_the_losses_of_a_run_without_them(tmp_path):
     assert dropped["lean_layers_last_forward"] == 4 and dropped["outputs_dropped_per_forward"] == 12, dropped
     assert dropped["saves_kept"] == {}, dropped
     assert "lean activations: on; no layer that keeps its activations has run a training forward yet" in log
+
+
+def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused_at_config_load(tmp_path):
+    """`fastqwen_fp8: true` on this CPU machine: the key, why, and the line to paste, before any
+    dataset or model work (on a Hopper GPU the same YAML trains: tests/test_gpu_kernels.py)."""
+    out = fails("preprocess", str(config(tmp_path, fastqwen_fp8=True)))
+    error = out[out.index("axolotl_fastqwen cannot train this config"):]
+    assert error.splitlines()[0].endswith("`fastqwen_fp8: true`"), error
+    assert "no CUDA GPU here: FP8 tensor cores with row-wise scaling exist on Hopper" in error
+    assert "    fastqwen_fp8: false" in error and "Traceback" not in out and "Tokenizing" not in out

@@ -250,3 +250,45 @@ def test_image_text_data_through_axolotls_processor_is_packed():
     settings, edits = settle(processor_type="AutoProcessor", skip_prepare_dataset=True, sample_packing=True)
     assert settings.user_rows == "padded" and edits == {"sample_packing": False, "eval_sample_packing": False}
     assert "Axolotl's multipack cannot" in decided(settings) and "multipack replaced" not in decided(settings)
+
+
+# ---- fastqwen_fp8 ----------------------------------------------------------------------------
+HOPPER = Environment(cuda_devices=1, processes=1, flash_attn=False, gpu=("NVIDIA H100 80GB HBM3", (9, 0)))
+LORA = {"adapter": "lora", "sample_packing": True}
+
+
+def test_fp8_is_off_unless_asked_and_a_yaml_without_it_is_unchanged():
+    assert not settle(HOPPER, **LORA)[0].fp8
+    settings, edits = settle(HOPPER, **LORA, lora_mlp_kernel=True)
+    assert "lora_mlp_kernel" not in edits and "lora_mlp_kernel" in settings.axolotl_options
+
+
+def test_fp8_on_hopper_with_lora_runs_and_turns_axolotls_lora_kernels_off():
+    settings, edits = settle(HOPPER, **LORA, fastqwen_fp8=True, lora_qkv_kernel=True, lora_o_kernel=True,
+                             lora_mlp_kernel=False)
+    assert settings.fp8
+    assert edits["lora_qkv_kernel"] is False and edits["lora_o_kernel"] is False and "lora_mlp_kernel" not in edits
+    assert not {"lora_qkv_kernel", "lora_o_kernel"} & set(settings.axolotl_options)
+    text = decided(settings)
+    assert "lora_qkv_kernel, lora_o_kernel: off (fastqwen_fp8 runs the frozen projections' GEMMs in FP8" in text
+    assert "fastqwen_fp8: true: the decoder's large frozen projections on FP8 GEMMs" in text
+
+
+@pytest.mark.parametrize("env, cfg, named", [
+    (HOPPER, {"load_in_4bit": True, "adapter": "qlora"}, "`load_in_4bit` is set: the base is already quantized to 4"),
+    (HOPPER, {"load_in_8bit": True}, "`load_in_8bit` is set"),
+    (HOPPER, {"adapter": None}, "there is no adapter (full fine-tuning)"),
+    (HOPPER, {"fsdp_config": {"fsdp_version": 2}}, "`fsdp_config` is set: FSDP shards"),
+    (HOPPER, {"deepspeed": "zero3.json"}, "`deepspeed` is set"),
+    (HOPPER, {"torch_compile": True}, "`torch_compile` is set"),
+    (HOPPER, {"context_parallel_size": 2}, "context parallelism leaves the model's layers stock"),
+    (Environment(2, 2, False, ("NVIDIA H100", (9, 0))), {}, "2 processes: FP8 is measured and validated on one GPU"),
+    (CPU, {}, "no CUDA GPU here: FP8 tensor cores with row-wise scaling exist on Hopper (sm_90) and newer"),
+    (Environment(1, 1, False, ("NVIDIA A100-SXM4-80GB", (8, 0))), {}, "NVIDIA A100-SXM4-80GB (sm_80) has no FP8"),
+])
+def test_fp8_where_it_cannot_run_is_refused_at_config_load_with_the_reason(env, cfg, named):
+    with pytest.raises(ConfigError) as err:
+        settle(env, **{**LORA, **cfg, "fastqwen_fp8": True})
+    text = str(err.value)
+    assert text.startswith("axolotl_fastqwen cannot train this config: `fastqwen_fp8: true`")
+    assert named in text and "fastqwen_fp8: false" in text and "trains in bf16 exactly as without it" in text

@@ -53,3 +53,10 @@ class FastQwenArgs(BaseModel):
         "the 27B shape, so auto keeps more layers. Unset: on unless fsdp, deepspeed or torch_compile is set, or "
         "gradient_checkpointing recomputes every layer (the load report says which); true insists and refuses "
         "fsdp, deepspeed and torch_compile; false turns it off."))
+    fastqwen_fp8: bool = Field(default=False, json_schema_extra=_about(
+        "LoRA on a frozen bf16 base: quantize the decoder's large frozen projections once to FP8 (e4m3, one scale "
+        "per output channel; the bf16 copy goes to host memory) and run their forward and input-gradient GEMMs on "
+        "FP8 tensor cores, activations and gradients quantized per token. Each weight shape is self-checked and "
+        "timed on the GPU at load and stays bf16 where FP8 does not win (the load report lists each). Needs a "
+        "Hopper GPU (sm_90+), an adapter (lora), one process; refuses load_in_4bit / load_in_8bit, fsdp, "
+        "deepspeed and torch_compile. Turns Axolotl's lora_*_kernel off (they read the bf16 weight)."))

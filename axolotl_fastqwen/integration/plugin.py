@@ -101,6 +101,8 @@ class FastQwenPlugin(BasePlugin):
             device=training_device(),
             prefer=settings.kernel_preference,
             lean_activations=settings.lean_activations,
+            fp8=settings.fp8,
+            fp8_tokens=settings.token_budget,
             log=False,
         )
         if settings.loss_owner:

@@ -78,14 +78,16 @@ class Environment:
     cuda_devices: int
     processes: int
     flash_attn: bool
+    gpu: tuple[str, tuple[int, int]] | None = None  # the first CUDA device's name and compute capability
 
     @classmethod
     def detect(cls) -> Environment:
         import torch
 
-        return cls(cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                   processes=int(os.environ.get("WORLD_SIZE") or 1),
-                   flash_attn=importlib.util.find_spec("flash_attn") is not None)
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls(cuda_devices=cuda, processes=int(os.environ.get("WORLD_SIZE") or 1),
+                   flash_attn=importlib.util.find_spec("flash_attn") is not None,
+                   gpu=(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0)) if cuda else None)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class Settings:
     checkpointing: Literal["off", "full", "auto"]
     checkpointing_memory: float
     lean_activations: bool
+    fp8: bool  # fastqwen_fp8: the frozen projections on FP8 GEMMs
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -324,8 +327,9 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     if lean_note:
         notes.append(lean_note)
 
+    fp8 = _fp8(cfg, args.fastqwen_fp8, env, patch_layers, decisions, edits)
     fused_ce = args.fastqwen_fused_ce
-    options = tuple(key for key in AXOLOTL_OPTIONS if _on(cfg.get(key)))
+    options = tuple(key for key in AXOLOTL_OPTIONS if _on(cfg.get(key)) and edits.get(key) is not False)
     loss_owner = None if fused_ce else next((k for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
                                              if k in options), None)
     settings = Settings(
@@ -335,7 +339,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         warmup_ratio=cfg.get("warmup_ratio"), kernels=args.fastqwen_kernels,
         kernel_preference=args.fastqwen_kernel_preference or None, fused_ce=fused_ce, loss_owner=loss_owner,
         axolotl_options=options, patch_layers=patch_layers, checkpointing=checkpointing,
-        checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean,
+        checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean, fp8=fp8,
         model_source=cfg.get("base_model_config") or cfg.get("base_model"),
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
         output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))
@@ -427,6 +431,56 @@ def _checkpointing(cfg: Mapping, explicit: str | None, packer: bool, env: Enviro
     if why:
         return "full", "; ".join(why)
     return "auto", None
+
+
+# What `fastqwen_fp8: true` cannot run with, and why (refused at config load).
+FP8_CLASHES = {
+    "load_in_4bit": "the base is already quantized to 4 bits (QLoRA); FP8 would re-quantize 4-bit values, and QLoRA "
+                    "bases are out of its scope",
+    "load_in_8bit": "the base is already quantized to 8 bits (bitsandbytes int8)",
+    "fsdp": "FSDP shards and gathers the weights that FP8 replaces",
+    "fsdp_config": "FSDP shards and gathers the weights that FP8 replaces",
+    "deepspeed": "DeepSpeed partitions and casts the weights that FP8 replaces",
+    "torch_compile": "the FP8 projections (a Triton quantization kernel and cuBLAS FP8 GEMMs in a custom autograd "
+                     "function) are not validated under torch.compile",
+}
+LORA_KERNELS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel")
+
+
+def _fp8(cfg: Mapping, wanted: bool, env: Environment, patch_layers: bool, decisions: list, edits: dict) -> bool:
+    """`fastqwen_fp8: true` where it can run; a `ConfigError` naming what to change where it cannot."""
+    if not wanted:
+        return False
+    paste = ["fastqwen_fp8: false"]
+    why = [f"`{key}` is set: {reason}" for key, reason in FP8_CLASHES.items() if _on(cfg.get(key))]
+    adapter = cfg.get("adapter")
+    if adapter not in ("lora", "qlora"):
+        why.append("there is no adapter (full fine-tuning): FP8 is for a frozen base under LoRA (`adapter: lora`), "
+                   "whose weights never change and never need a gradient")
+    if not patch_layers:
+        why.append("context parallelism leaves the model's layers stock")
+    if env.processes > 1:
+        why.append(f"{env.processes} processes: FP8 is measured and validated on one GPU")
+    if not env.cuda_devices:
+        why.append("no CUDA GPU here: FP8 tensor cores with row-wise scaling exist on Hopper (sm_90) and newer")
+    elif env.gpu is not None and tuple(env.gpu[1]) < (9, 0):
+        name, capability = env.gpu
+        why.append(f"{name} (sm_{capability[0]}{capability[1]}) has no FP8 tensor cores with row-wise scaling "
+                   "(Hopper, sm_90, or newer)")
+    if why:
+        raise ConfigError("`fastqwen_fp8: true`", "; ".join(why) + ".",
+                          instead="Remove fastqwen_fp8 (the run then trains in bf16 exactly as without it), or "
+                                  "change what is named above.", paste=paste)
+    kernels = [key for key in LORA_KERNELS if _on(cfg.get(key))]
+    for key in kernels:
+        edits[key] = False
+    if kernels:
+        decisions.append(Decision(", ".join(kernels), "off", "fastqwen_fp8 runs the frozen projections' GEMMs in FP8; "
+                                  "Axolotl's LoRA kernels would run them from the bf16 weight, which FP8 frees"))
+    decisions.append(Decision("fastqwen_fp8: true", "the decoder's large frozen projections on FP8 GEMMs",
+                              "each weight shape is self-checked and timed on this GPU at load; the load report "
+                              "lists which run FP8"))
+    return True
 
 
 def _lean_activations(cfg: Mapping, explicit: bool | None, checkpointing: str) -> tuple[bool, str | None]:

@@ -25,9 +25,11 @@ from .lora_input_cast import LoraInputCast
 from .decoder_hook import DecoderPreHook
 from ..devices import model_device
 from .expert_lora import ExpertAdapters
+from .fp8_weights import Fp8Weights
 from ..layers.experts_implementation import describe_experts, experts_implementation, experts_modules, set_experts_implementation
 from ..families.base import FamilyPlan, detect_family, unwrap
 from .forward_context import ForwardContext
+from .instance_forward import forward_attr
 from ..kernel_choice import KernelSet, hopper_guard, select_kernels
 from ..layers.attention import attention_forward
 from ..layers import grouped_experts
@@ -84,6 +86,7 @@ class PatchReport:
     experts_check: object | None = None  # kernels.experts_check.ExpertsCheck, set at the first GPU forward
     lean: LeanActivations | None = field(default=None, repr=False)  # fastqwen_lean_activations, when on
     rms_norms: int = 0  # transformers RMSNorm modules of the decoder run by the rms_norm op
+    fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -123,6 +126,7 @@ class PatchReport:
             "forwards_without_trainable_tokens": self.context.empty_forwards() if self.context else 0,
             "batch_shapes": {k: sorted(list(s) for s in v) for k, v in self.batch_shapes.items()},
             "lean_activations": self.lean.to_dict() if self.lean is not None else None,
+            "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
             "versions": self.versions,
         }
 
@@ -147,6 +151,9 @@ def patch_model(
     device: torch.device | str | None = None,
     prefer: dict[str, str] | None = None,
     lean_activations: bool = False,
+    fp8: bool = False,
+    fp8_tokens: int = 8192,
+    fp8_keep_transposed: bool = False,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -158,6 +165,11 @@ def patch_model(
     lean_activations: in layers that keep their activations, drop the norm and output-gate outputs
         autograd would hold and recompute them in backward (`memory/lean_activations.py`): same gradients,
         less memory.
+    fp8: run the frozen base projections of the decoder layers on FP8 GEMMs (`patching/fp8_weights.py`):
+        call it after LoRA is applied (the weights it quantizes must be frozen); each weight shape is
+        self-checked and timed at `fp8_tokens` tokens on this GPU first, and kept in bf16 where FP8 does
+        not win. `fp8_keep_transposed` keeps a second, transposed FP8 copy for the input gradient (1 more
+        byte a parameter) instead of transposing per backward.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -212,6 +224,9 @@ def patch_model(
     if lean_activations:
         layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
         report.lean = LeanActivations(layers, plan.family.layer_norms)
+    if fp8:
+        decoders = [m for m in base.modules() if type(m) in plan.decoder]
+        report.fp8 = Fp8Weights.install(decoders, tokens=fp8_tokens, keep_transposed=fp8_keep_transposed)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context, "expert_adapters": expert_adapters,
                                  "experts_before": experts_before}
@@ -232,6 +247,8 @@ def unpatch_model(model: nn.Module) -> None:
     state["expert_adapters"].restore()
     if state["report"].lean is not None:
         state["report"].lean.restore()
+    if state["report"].fp8 is not None:
+        state["report"].fp8.restore()
     if state["experts_before"] is not None and experts_implementation(experts_modules(base)[0]) == grouped_experts.GROUPED:
         set_experts_implementation(base, state["experts_before"])
     for module in state["modules"]:
@@ -279,13 +296,8 @@ class PatchedForward:
         return PatchedForward(self.function, copy.deepcopy(self.module, memo), self.__signature__)
 
 
-def _forward_attr(module: nn.Module) -> str:
-    """Where the module's real forward is: accelerate's dispatch hooks keep it in `_old_forward`."""
-    return "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
-
-
 def _install(module: nn.Module, forward, plan: FamilyPlan, kernels: KernelSet, context: ForwardContext) -> None:
-    attr = _forward_attr(module)  # beneath accelerate's hooks
+    attr = forward_attr(module)  # beneath accelerate's hooks
     original = getattr(module, attr)
     module.__dict__["_fastqwen"] = LayerPatch(plan, kernels, original, context)
     module.__dict__["_fastqwen_attr"] = attr
@@ -296,7 +308,7 @@ def _install(module: nn.Module, forward, plan: FamilyPlan, kernels: KernelSet, c
 def _forward_replaced(module: nn.Module) -> bool:
     """Another integration bound its own forward to this instance (Liger's `_patch_rms_norm_module`
     does, given a model): leave the module to it. accelerate's hook keeps the class forward beneath."""
-    forward = module.__dict__.get(_forward_attr(module))
+    forward = module.__dict__.get(forward_attr(module))
     return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
 
 

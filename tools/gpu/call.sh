@@ -52,6 +52,18 @@ for stage in ${STAGES:-tests}; do
       timeout "${PROFILE_S:-150}" python3 -m fastqwen_bench profile --model "${PROFILE_MODEL:-qwen3.5-27b}" --gc --path "${PROFILE_PATH:-fastqwen}" \
         --steps 2 --warmup 1 --top 30 --no-trace ${PROFILE_ARGS:-} --out "$RES/prof64" > "$RES/prof64.log" 2>&1
       tail -30 "$RES/prof64.log" ;;
+    fp8tests) # issue 35: the FP8 quantization kernel, the FP8 GEMMs at the 27B shapes, a LoRA slice on FP8
+      FASTQWEN_GPU_RESULTS="$RES/gpu_fp8.json" timeout "${FP8_S:-200}" \
+        python3 -m pytest -q tests/test_gpu_kernels.py -k "${FP8_K:-fp8}" -p no:cacheprovider -rs > "$RES/pytest_fp8.log" 2>&1
+      tail -8 "$RES/pytest_fp8.log" ;;
+    fp8gemm)  # issue 35: each frozen projection's GEMM pair, bf16 vs FP8 (both input-gradient layouts), 8k tokens
+      timeout "${FP8GEMM_S:-120}" python3 tools/gpu/fp8_gemm_timing.py --model "${FP8GEMM_MODEL:-qwen3.5-27b}" \
+        --tokens 8192 --out "$RES/fp8_gemm.json" > "$RES/fp8_gemm.log" 2>&1
+      tail -9 "$RES/fp8_gemm.log" | cut -c1-400 ;;
+    fp8loss)  # issue 35: the same LoRA run in bf16 and in FP8 (LOSS_LAYERS, LOSS_STEPS, LOSS_ARGS)
+      timeout "${FP8LOSS_S:-400}" python3 tools/gpu/fp8_loss_pair.py --layers "${LOSS_LAYERS:-16}" \
+        --steps "${LOSS_STEPS:-300}" ${LOSS_ARGS:-} --out "$RES/fp8_loss" > "$RES/fp8_loss.log" 2>&1
+      tail -14 "$RES/fp8_loss.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -1,0 +1,133 @@
+"""Which frozen projections run in FP8: decided per weight shape, on this GPU, at the row's size.
+
+FP8 pays only where the GEMM is large enough for the tensor cores' doubled peak to beat the cost
+of quantizing the activation and the output gradient (torchao's H100 table: 0.80x at
+1024x2048x1024, 1.39x at 4096x8192x16384). So each distinct `[N, K]` is timed here at the tokens
+of one training row, forward and input gradient, quantization included, FP8 against bf16; FP8 is
+taken only where it is at least `MIN_SPEEDUP` faster. Each shape is also self-checked first with
+one of the model's own weights against the fp32 product: a kernel that raises or disagrees leaves
+that shape in bf16, and the report says why. On a CPU nothing is timed (`torch._scaled_mm` runs
+there, slowly: for tests) and every candidate takes FP8 once its self-check passes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.fp8_linear import Fp8Weight, bf16_linear_reference, fp8_linear
+from ..ops.fp8_quantize import quantize_rows
+
+# e4m3 keeps 3 mantissa bits (relative rounding up to 2^-4 per element); with both operands rounded
+# per row, a product of Gaussian operands lands at 3.7% relative to the fp32 product at every shape
+# measured (tests/test_fp8_linear.py); a broken kernel or a wrong scale is off by O(1).
+TOLERANCE = 0.06
+MIN_SPEEDUP = 1.05  # below this the measurement's noise could decide
+CHECK_TOKENS = 256
+
+
+@dataclass
+class ShapeDecision:
+    out_features: int
+    in_features: int
+    fp8: bool
+    why: str
+    bf16_ms: float | None = None  # forward + input gradient, one row
+    fp8_ms: float | None = None  # the same in FP8, quantization included
+    error: float | None = None  # the self-check's relative error (the worse of output and input gradient)
+
+    @property
+    def speedup(self) -> float | None:
+        return self.bf16_ms / self.fp8_ms if self.bf16_ms and self.fp8_ms else None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["speedup"] = round(self.speedup, 3) if self.speedup else None
+        return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def self_check(weight: torch.Tensor, keep_transposed: bool, dtype: torch.dtype) -> float:
+    """Relative error of the FP8 forward and input gradient against the fp32 product, on `weight`."""
+    gen = torch.Generator(device=weight.device).manual_seed(11)
+    x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=gen, device=weight.device).to(dtype)
+    dy = torch.randn(CHECK_TOKENS, weight.shape[0], generator=gen, device=weight.device).to(dtype)
+    fp8 = Fp8Weight.quantize(weight, keep_transposed=keep_transposed)
+    with torch.enable_grad(), torch.autocast(weight.device.type, enabled=False):
+        xf = x.clone().requires_grad_(True)
+        y = fp8_linear(xf, fp8)
+        (dx,) = torch.autograd.grad(y, xf, dy)
+    return max(_rel(y, bf16_linear_reference(x, weight)), _rel(dx, dy.float() @ weight.float()))
+
+
+def _time(fn, iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_shape(weight: torch.Tensor, tokens: int, keep_transposed: bool) -> tuple[float, float]:
+    """(bf16 ms, FP8 ms) of one row's forward + input gradient through `weight`, on its GPU."""
+    n, k = weight.shape
+    gen = torch.Generator(device=weight.device).manual_seed(3)
+    x = torch.randn(tokens, k, generator=gen, device=weight.device, dtype=weight.dtype)
+    dy = torch.randn(tokens, n, generator=gen, device=weight.device, dtype=weight.dtype)
+    fp8 = Fp8Weight.quantize(weight, keep_transposed=keep_transposed)
+    ones = torch.ones(1, k, dtype=torch.float32, device=weight.device)
+    scale = fp8.scale.reshape(-1)
+
+    def bf16():
+        F.linear(x, weight)
+        dy @ weight
+
+    def fp8_pair():
+        xq, sx = quantize_rows(x)
+        torch._scaled_mm(xq, fp8.data.t(), scale_a=sx, scale_b=fp8.scale, out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
+        dq, sd = quantize_rows(dy, col_scale=scale)
+        torch._scaled_mm(dq, fp8.input_gradient_layout().t(), scale_a=sd, scale_b=ones, out_dtype=torch.bfloat16)
+
+    with torch.no_grad():
+        return _time(bf16), _time(fp8_pair)
+
+
+def decide(samples: dict[tuple[int, int], torch.Tensor], tokens: int, keep_transposed: bool,
+           dtype: torch.dtype = torch.bfloat16) -> dict[tuple[int, int], ShapeDecision]:
+    """One decision per `[N, K]`, each from one weight of that shape (`samples`)."""
+    out = {}
+    for (n, k), weight in samples.items():
+        decision = ShapeDecision(n, k, fp8=False, why="")
+        try:
+            decision.error = self_check(weight, keep_transposed, dtype)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps bf16, with the reason
+            decision.why = f"self-check raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            out[(n, k)] = decision
+            continue
+        if not decision.error <= TOLERANCE:
+            decision.why = f"self-check failed: relative error {decision.error:.3g} > {TOLERANCE}"
+        elif weight.device.type != "cuda":
+            decision.fp8, decision.why = True, f"{weight.device.type}: not timed (FP8 speed exists on Hopper only)"
+        else:
+            decision.bf16_ms, decision.fp8_ms = time_shape(weight, tokens, keep_transposed)
+            decision.fp8 = decision.speedup >= MIN_SPEEDUP
+            decision.why = (f"{decision.speedup:.2f}x bf16 at {tokens} tokens (forward + input gradient, "
+                            f"quantization included){'' if decision.fp8 else f'; FP8 needs {MIN_SPEEDUP}x'}")
+        out[(n, k)] = decision
+    return out

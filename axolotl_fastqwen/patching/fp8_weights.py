@@ -1,0 +1,164 @@
+"""`fastqwen_fp8`: the frozen base projections of the decoder quantized once, their GEMMs on FP8.
+
+Which modules: every plain `nn.Linear` inside the decoder layers whose weight is frozen (a LoRA
+base, or a projection LoRA does not target), not an adapter's own matrix, with both dimensions
+multiples of 16 and at least `MIN_FEATURES` (below that FP8 loses: k/v with 1024 outputs, the
+Gated DeltaNet's 48-wide a/b, routers, the shared-expert gate). Of those, each weight shape is
+then timed and self-checked on this GPU (`kernel_choice/fp8_decision.py`); lm_head and the loss,
+norms, the GDN / conv / attention kernels and LoRA's A/B stay as they are.
+
+How a module is changed, and given back: its `weight` Parameter becomes the e4m3 tensor (frozen,
+so no optimizer sees it; it moves with `.to(device)`), its per-channel scales (and, when kept, the
+transposed copy) are non-persistent buffers, and an instance-level `forward` runs
+`ops/fp8_linear.fp8_linear`. The bf16 weight is copied to host memory first, so `restore()`
+puts back the very same bits and the GPU holds 1 byte a parameter instead of 2 (plus 1 with the
+transposed copy). A later cast of the module (`.to(torch.bfloat16)`) would turn the e4m3 values
+into meaningless bf16 ones: the forward checks the dtype and raises instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..kernel_choice.fp8_decision import ShapeDecision, decide
+from ..ops.fp8_linear import Fp8Weight, InputCache, fp8_linear
+from ..ops.fp8_quantize import ALIGN, E4M3
+from .instance_forward import forward_attr
+
+MIN_FEATURES = 1024
+SCALE, TRANSPOSED = "fastqwen_fp8_scale", "fastqwen_fp8_transposed"
+
+
+class Fp8Unavailable(RuntimeError):
+    """FP8 GEMMs cannot run here (no `torch._scaled_mm` with row-wise scales on this device)."""
+
+
+def candidates(decoders: list[nn.Module]) -> dict[str, nn.Linear]:
+    """Qualified name (within a decoder's layers) -> frozen projection that may run in FP8."""
+    found = {}
+    for decoder in decoders:
+        for index, layer in enumerate(decoder.layers):
+            for name, module in layer.named_modules():
+                if type(module) is not nn.Linear or "lora_" in name or module.weight.requires_grad:
+                    continue
+                n, k = module.weight.shape
+                if min(n, k) >= MIN_FEATURES and n % ALIGN == 0 and k % ALIGN == 0:
+                    found[f"layers.{index}.{name}"] = module
+    return found
+
+
+def _role(qualified: str) -> str:
+    """`layers.3.mlp.gate_proj.base_layer` -> `mlp.gate_proj` (the report's row)."""
+    parts = qualified.split(".")[2:]
+    return ".".join(p for p in parts if p != "base_layer")
+
+
+@dataclass
+class Fp8Weights:
+    """The quantized projections of one model, and how to give them back."""
+
+    modules: dict[str, nn.Linear] = field(default_factory=dict)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)  # the bf16 weights, bit for bit
+    decisions: dict[tuple[int, int], ShapeDecision] = field(default_factory=dict)
+    roles: dict[str, tuple[int, int]] = field(default_factory=dict)  # report row -> shape
+    kept_transposed: bool = False
+    tokens: int = 0
+    bf16_bytes: int = 0
+    fp8_bytes: int = 0
+    cache: InputCache = field(default_factory=InputCache)
+
+    @classmethod
+    def install(cls, decoders: list[nn.Module], *, tokens: int, keep_transposed: bool = False) -> Fp8Weights:
+        found = candidates(decoders)
+        if not found:
+            raise ValueError("fastqwen_fp8: no frozen projection of at least "
+                             f"{MIN_FEATURES} features in the decoder layers (is the base frozen, i.e. LoRA applied?)")
+        device = next(iter(found.values())).weight.device
+        _check_device(device)
+        samples = {}
+        for module in found.values():
+            samples.setdefault(tuple(module.weight.shape), module.weight)
+        self = cls(kept_transposed=keep_transposed, tokens=tokens)
+        self.decisions = decide(samples, tokens, keep_transposed, next(iter(samples.values())).dtype)
+        for name, module in found.items():
+            shape = tuple(module.weight.shape)
+            self.roles.setdefault(_role(name), shape)
+            if self.decisions[shape].fp8:
+                self._quantize(name, module)
+        return self
+
+    def _quantize(self, name: str, module: nn.Linear) -> None:
+        weight = module.weight
+        self.host[name] = weight.detach().to("cpu", copy=True)
+        fp8 = Fp8Weight.quantize(weight, keep_transposed=self.kept_transposed)
+        self.bf16_bytes += weight.numel() * weight.element_size()
+        self.fp8_bytes += fp8.nbytes
+        module.weight = nn.Parameter(fp8.data, requires_grad=False)
+        module.register_buffer(SCALE, fp8.scale, persistent=False)
+        if fp8.transposed is not None:
+            module.register_buffer(TRANSPOSED, fp8.transposed, persistent=False)
+        attr = forward_attr(module)
+        module.__dict__["_fastqwen_fp8"] = (attr, attr in module.__dict__, getattr(module, attr), name)
+        setattr(module, attr, _Forward(module, self.cache))
+        self.modules[name] = module
+
+    def restore(self) -> None:
+        """Every quantized module back to its bf16 weight (the host copy: the same bits) and stock forward."""
+        for name, module in self.modules.items():
+            attr, had_instance, original, _ = module.__dict__.pop("_fastqwen_fp8")
+            if had_instance:
+                setattr(module, attr, original)
+            else:
+                del module.__dict__[attr]
+            device = module.weight.device
+            for buffer in (SCALE, TRANSPOSED):
+                module._buffers.pop(buffer, None)
+            module.weight = nn.Parameter(self.host[name].to(device), requires_grad=False)
+        self.modules.clear()
+        self.host.clear()
+        self.cache.clear()
+
+    def to_dict(self) -> dict:
+        rows = {}
+        for role, shape in sorted(self.roles.items()):
+            decision = self.decisions[shape]
+            count = sum(1 for name in self.modules if _role(name) == role)
+            rows[role] = {"shape": list(shape), "fp8": decision.fp8, "modules": count, "why": decision.why,
+                          "selfcheck_error": decision.error, "speedup": decision.to_dict()["speedup"]}
+        return {"projections": rows, "modules_fp8": len(self.modules), "tokens_timed": self.tokens,
+                "input_gradient_layout": "transposed copy kept" if self.kept_transposed else "transposed per backward",
+                "bf16_bytes_freed": self.bf16_bytes, "fp8_bytes": self.fp8_bytes,
+                "gpu_bytes_saved": self.bf16_bytes - self.fp8_bytes,
+                "host_bytes": sum(t.numel() * t.element_size() for t in self.host.values())}
+
+
+class _Forward:
+    """The instance forward of a quantized projection (keeps `nn.Linear.forward`'s one argument)."""
+
+    def __init__(self, module: nn.Linear, cache: InputCache):
+        self.module = module
+        self.cache = cache
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        weight = module.weight
+        if weight.dtype != E4M3:
+            raise RuntimeError(
+                f"fastqwen_fp8: {module.__dict__['_fastqwen_fp8'][3]}'s e4m3 weight was cast to {weight.dtype} after "
+                "it was quantized, which turns it into meaningless values. Cast the model before the plugin patches "
+                "it, or call unpatch_model(model) first.")
+        fp8 = Fp8Weight(weight, module._buffers[SCALE], module._buffers.get(TRANSPOSED))
+        return fp8_linear(x, fp8, module.bias, self.cache)
+
+
+def _check_device(device: torch.device) -> None:
+    """`torch._scaled_mm` with row-wise scales: Hopper or newer on CUDA; PyTorch's CPU kernel otherwise."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        name = torch.cuda.get_device_name(device)
+        raise Fp8Unavailable(f"fastqwen_fp8 needs FP8 tensor cores with row-wise scaling (Hopper, sm_90, or newer); "
+                             f"{name} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}")
+    if not hasattr(torch, "_scaled_mm"):
+        raise Fp8Unavailable(f"fastqwen_fp8 needs torch._scaled_mm (torch {torch.__version__} has none)")
