@@ -62,8 +62,7 @@ def _fp8_lines(fp8: dict | None) -> list[str]:
     if not fp8:
         return []
     gib = 1024 ** 3
-    lines = [f"  fp8 frozen GEMMs: {fp8['modules_fp8']} projections in FP8 (e4m3, row-wise scales; "
-             f"{fp8['input_gradient_layout']}); GPU weights {fp8['bf16_bytes_freed'] / gib:.2f} GiB bf16 -> "
+    lines = [f"  fp8 frozen GEMMs: {fp8['modules_fp8']} projections in FP8 (e4m3, row-wise scales); GPU weights {fp8['bf16_bytes_freed'] / gib:.2f} GiB bf16 -> "
              f"{fp8['fp8_bytes'] / gib:.2f} GiB FP8, bf16 copy on host ({fp8['host_bytes'] / gib:.2f} GiB) for "
              "unpatch_model"]
     for role, row in fp8["projections"].items():

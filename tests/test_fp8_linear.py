@@ -254,3 +254,54 @@ def test_a_shape_whose_self_check_fails_stays_bf16_and_the_report_says_why(small
         assert not rows[role]["fp8"] and rows[role]["why"].startswith("self-check failed: relative error")
     assert rows["mlp.down_proj"]["fp8"]
     assert model.get_base_model().model.layers[0].mlp.gate_proj.base_layer.weight.dtype == torch.float32
+
+
+# ---- the Triton kernels, in Triton's interpreter ------------------------------------------------
+INTERPRETED = r"""
+import torch
+from axolotl_fastqwen.ops.fp8_quantize import quantize_rows_reference, quantize_rows_triton
+from axolotl_fastqwen.ops.fp8_transpose import transpose_triton
+
+torch.manual_seed(0)
+w = torch.randn(130, 77).to(torch.float8_e4m3fn)  # tiles cut at both edges
+assert torch.equal(transpose_triton(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
+x = (torch.randn(37, 300) * 3).to(torch.bfloat16)
+x[5] = 0
+col = torch.rand(300) + 0.5
+for c in (None, col):
+    q, s = quantize_rows_triton(x, col_scale=c)
+    qr, sr = quantize_rows_reference(x, col_scale=c)
+    assert q.shape == qr.shape == (48, 300) and torch.equal(s, sr), (s - sr).abs().max()
+    assert torch.equal(q[37:].float(), qr[37:].float())
+print("ok")
+"""
+
+
+def test_the_triton_kernels_index_mask_and_scale_like_their_references_in_the_interpreter():
+    """The kernels' indexing, masking, padding and scales on the CPU, in Triton's interpreter
+    (`TRITON_INTERPRET=1`): the transposition bit for bit, the quantization's scales exactly. The
+    interpreter's own float -> e4m3 cast rounds differently from the GPU's (it sends 124.3 to 64), so
+    the quantized values are compared on the GPU (tests/test_gpu_kernels.py), not here."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kept_ms, expect_kept", [(0.90, True), (0.97, False)])
+def test_the_transposed_copy_is_kept_only_where_it_pays_its_byte_a_parameter(monkeypatch, kept_ms, expect_kept):
+    """The timing itself runs on the GPU; here its rule, with the timings given: bf16 2.0 ms, FP8 1.0 ms
+    transposing per backward, `kept_ms` with the copy kept (kept only if >= 1.05x faster)."""
+    monkeypatch.setattr(fp8_decision, "time_shape", lambda w, tokens, keep: (2.0, kept_ms if keep else 1.0))
+    decision = fp8_decision.ShapeDecision(64, 32, fp8=False, why="")
+    fp8_decision._time_layouts(decision, torch.zeros(64, 32), 8192, None)
+    assert decision.keep_transposed is expect_kept and decision.bf16_ms == 2.0
+    assert decision.fp8_ms == (kept_ms if expect_kept else 1.0)
+    assert decision.fp8_other_layout_ms == (1.0 if expect_kept else kept_ms)
+    forced = fp8_decision.ShapeDecision(64, 32, fp8=False, why="")
+    fp8_decision._time_layouts(forced, torch.zeros(64, 32), 8192, False)
+    assert not forced.keep_transposed and forced.fp8_ms == 1.0 and forced.fp8_other_layout_ms is None

@@ -712,7 +712,7 @@ def test_fp8_on_the_27b_slice_with_lora(gpu_record):
     def step(fp8: bool):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        report = patch_model(model, lean_activations=True, fp8=fp8, fp8_tokens=2048, log=False)
+        report = patch_model(model, lean_activations=True, fp8=fp8, fp8_tokens=8192, log=False)
         weights_delta = before - torch.cuda.memory_allocated()
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -8,7 +8,7 @@ on Hopper). The input gradient contracts over the output channels, where the wei
 `dy·W = (dy·diag(s))·W_q`, so the scales are folded into `dy` as it is quantized, and the GEMM runs
 on `W_q` as stored, transposed to the K-major layout Hopper's FP8 GEMM needs: either kept (a second
 FP8 copy: 2 bytes a parameter, as bf16) or made per backward (1 byte a parameter, one transposing copy
-per call); `Fp8Weight.transposed` says which. The forward accumulates like torchao's row-wise recipe
+per call, `ops/fp8_transpose.py`); `Fp8Weight.transposed` says which. The forward accumulates like torchao's row-wise recipe
 (fast accumulation forward, full-precision backward).
 
 Projections that read the same input (gate/up, q/k/v, the Gated DeltaNet's in-projections) quantize
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .fp8_quantize import E4M3, E4M3_MAX, aligned, quantize_rows
+from .fp8_transpose import transpose
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Fp8Weight:
 
     def input_gradient_layout(self) -> torch.Tensor:
         """`W_q` as `[K, N]` row-major (so that `.t()` is the column-major `[N, K]` operand)."""
-        return self.transposed if self.transposed is not None else self.data.t().contiguous()
+        return self.transposed if self.transposed is not None else transpose(self.data)
 
     def to(self, device: torch.device) -> Fp8Weight:
         moved = [t.to(device) if t is not None else None for t in (self.data, self.scale, self.transposed)]

@@ -64,14 +64,13 @@ class Fp8Weights:
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # the bf16 weights, bit for bit
     decisions: dict[tuple[int, int], ShapeDecision] = field(default_factory=dict)
     roles: dict[str, tuple[int, int]] = field(default_factory=dict)  # report row -> shape
-    kept_transposed: bool = False
     tokens: int = 0
     bf16_bytes: int = 0
     fp8_bytes: int = 0
     cache: InputCache = field(default_factory=InputCache)
 
     @classmethod
-    def install(cls, decoders: list[nn.Module], *, tokens: int, keep_transposed: bool = False) -> Fp8Weights:
+    def install(cls, decoders: list[nn.Module], *, tokens: int, keep_transposed: bool | None = None) -> Fp8Weights:
         found = candidates(decoders)
         if not found:
             raise ValueError("fastqwen_fp8: no frozen projection of at least "
@@ -81,19 +80,19 @@ class Fp8Weights:
         samples = {}
         for module in found.values():
             samples.setdefault(tuple(module.weight.shape), module.weight)
-        self = cls(kept_transposed=keep_transposed, tokens=tokens)
+        self = cls(tokens=tokens)
         self.decisions = decide(samples, tokens, keep_transposed, next(iter(samples.values())).dtype)
         for name, module in found.items():
             shape = tuple(module.weight.shape)
             self.roles.setdefault(_role(name), shape)
             if self.decisions[shape].fp8:
-                self._quantize(name, module)
+                self._quantize(name, module, self.decisions[shape].keep_transposed)
         return self
 
-    def _quantize(self, name: str, module: nn.Linear) -> None:
+    def _quantize(self, name: str, module: nn.Linear, keep_transposed: bool) -> None:
         weight = module.weight
         self.host[name] = weight.detach().to("cpu", copy=True)
-        fp8 = Fp8Weight.quantize(weight, keep_transposed=self.kept_transposed)
+        fp8 = Fp8Weight.quantize(weight, keep_transposed=keep_transposed)
         self.bf16_bytes += weight.numel() * weight.element_size()
         self.fp8_bytes += fp8.nbytes
         module.weight = nn.Parameter(fp8.data, requires_grad=False)
@@ -127,9 +126,10 @@ class Fp8Weights:
             decision = self.decisions[shape]
             count = sum(1 for name in self.modules if _role(name) == role)
             rows[role] = {"shape": list(shape), "fp8": decision.fp8, "modules": count, "why": decision.why,
-                          "selfcheck_error": decision.error, "speedup": decision.to_dict()["speedup"]}
+                          "selfcheck_error": decision.error, "speedup": decision.to_dict()["speedup"],
+                          "transposed_copy_kept": decision.keep_transposed, "bf16_ms": decision.bf16_ms,
+                          "fp8_ms": decision.fp8_ms, "fp8_other_layout_ms": decision.fp8_other_layout_ms}
         return {"projections": rows, "modules_fp8": len(self.modules), "tokens_timed": self.tokens,
-                "input_gradient_layout": "transposed copy kept" if self.kept_transposed else "transposed per backward",
                 "bf16_bytes_freed": self.bf16_bytes, "fp8_bytes": self.fp8_bytes,
                 "gpu_bytes_saved": self.bf16_bytes - self.fp8_bytes,
                 "host_bytes": sum(t.numel() * t.element_size() for t in self.host.values())}
