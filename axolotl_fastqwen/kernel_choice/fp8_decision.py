@@ -26,9 +26,6 @@ from ..ops.fp8_quantize import quantize_rows
 # measured (tests/test_fp8_linear.py); a broken kernel or a wrong scale is off by O(1).
 TOLERANCE = 0.06
 MIN_SPEEDUP = 1.05  # below this the measurement's noise could decide
-# The transposed copy for the input gradient costs a byte a parameter (on an 80 GB card, layers that
-# `fastqwen_checkpointing: auto` could keep): kept only where it makes the pair this much faster.
-KEEP_TRANSPOSED_SPEEDUP = 1.05
 CHECK_TOKENS = 256
 
 
@@ -40,8 +37,7 @@ class ShapeDecision:
     why: str
     keep_transposed: bool = False  # the input gradient's layout: a kept copy, or transposed per backward
     bf16_ms: float | None = None  # forward + input gradient, one row
-    fp8_ms: float | None = None  # the same in FP8 with the chosen layout, quantization included
-    fp8_other_layout_ms: float | None = None  # ... with the other layout, when it was timed
+    fp8_ms: float | None = None  # the same in FP8 with that layout, quantization included
     error: float | None = None  # the self-check's relative error (the worse of output and input gradient)
 
     @property
@@ -113,30 +109,15 @@ def time_shape(weight: torch.Tensor, tokens: int, keep_transposed: bool) -> tupl
         return _time(bf16), _time(fp8_pair)
 
 
-def _time_layouts(decision: ShapeDecision, weight: torch.Tensor, tokens: int, keep_transposed: bool | None) -> None:
-    """bf16 and FP8 timings; with `keep_transposed=None` both layouts, the copy kept only where it pays."""
-    decision.bf16_ms, per_backward = time_shape(weight, tokens, False) if keep_transposed is not True else (None, None)
-    if keep_transposed is False:
-        decision.fp8_ms = per_backward
-        return
-    bf16, kept = time_shape(weight, tokens, True)
-    decision.bf16_ms = decision.bf16_ms or bf16
-    if keep_transposed is None and per_backward / kept < KEEP_TRANSPOSED_SPEEDUP:
-        decision.fp8_ms, decision.fp8_other_layout_ms = per_backward, kept
-        return
-    decision.keep_transposed, decision.fp8_ms, decision.fp8_other_layout_ms = True, kept, per_backward
-
-
-def decide(samples: dict[tuple[int, int], torch.Tensor], tokens: int, keep_transposed: bool | None = None,
+def decide(samples: dict[tuple[int, int], torch.Tensor], tokens: int, keep_transposed: bool = False,
            dtype: torch.dtype = torch.bfloat16) -> dict[tuple[int, int], ShapeDecision]:
-    """One decision per `[N, K]`, each from one weight of that shape (`samples`). `keep_transposed`:
-    the input gradient's layout, or None to choose it per shape by timing both."""
+    """One decision per `[N, K]`, each from one weight of that shape (`samples`), with the input
+    gradient's layout `keep_transposed`."""
     out = {}
     for (n, k), weight in samples.items():
-        decision = ShapeDecision(n, k, fp8=False, why="", keep_transposed=bool(keep_transposed))
+        decision = ShapeDecision(n, k, fp8=False, why="", keep_transposed=keep_transposed)
         try:
-            decision.error = max(self_check(weight, layout, dtype) for layout in
-                                 ((False, True) if keep_transposed is None else (keep_transposed,)))
+            decision.error = self_check(weight, keep_transposed, dtype)
         except Exception as exc:  # noqa: BLE001 - any failure keeps bf16, with the reason
             decision.why = f"self-check raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             out[(n, k)] = decision
@@ -146,7 +127,7 @@ def decide(samples: dict[tuple[int, int], torch.Tensor], tokens: int, keep_trans
         elif weight.device.type != "cuda":
             decision.fp8, decision.why = True, f"{weight.device.type}: not timed (FP8 speed exists on Hopper only)"
         else:
-            _time_layouts(decision, weight, tokens, keep_transposed)
+            decision.bf16_ms, decision.fp8_ms = time_shape(weight, tokens, keep_transposed)
             decision.fp8 = decision.speedup >= MIN_SPEEDUP
             layout = "transposed copy kept" if decision.keep_transposed else "transposed per backward"
             decision.why = (f"{decision.speedup:.2f}x bf16 at {tokens} tokens (forward + input gradient, "

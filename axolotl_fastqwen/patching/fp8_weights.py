@@ -70,7 +70,7 @@ class Fp8Weights:
     cache: InputCache = field(default_factory=InputCache)
 
     @classmethod
-    def install(cls, decoders: list[nn.Module], *, tokens: int, keep_transposed: bool | None = None) -> Fp8Weights:
+    def install(cls, decoders: list[nn.Module], *, tokens: int, keep_transposed: bool = False) -> Fp8Weights:
         found = candidates(decoders)
         if not found:
             raise ValueError("fastqwen_fp8: no frozen projection of at least "
@@ -128,7 +128,7 @@ class Fp8Weights:
             rows[role] = {"shape": list(shape), "fp8": decision.fp8, "modules": count, "why": decision.why,
                           "selfcheck_error": decision.error, "speedup": decision.to_dict()["speedup"],
                           "transposed_copy_kept": decision.keep_transposed, "bf16_ms": decision.bf16_ms,
-                          "fp8_ms": decision.fp8_ms, "fp8_other_layout_ms": decision.fp8_other_layout_ms}
+                          "fp8_ms": decision.fp8_ms}
         return {"projections": rows, "modules_fp8": len(self.modules), "tokens_timed": self.tokens,
                 "bf16_bytes_freed": self.bf16_bytes, "fp8_bytes": self.fp8_bytes,
                 "gpu_bytes_saved": self.bf16_bytes - self.fp8_bytes,
