@@ -181,25 +181,7 @@ def patch_model(
     plan = detect_family(base, registry.families())
     kernels = select_kernels(device if device is not None else model_device(base), backend, prefer=prefer)
     context = ForwardContext()
-    layers = {cls: (gated_deltanet_forward, "gated_deltanet") for cls in plan.gated_deltanet}
-    layers.update({cls: (attention_forward, "attention") for cls in plan.attention})
-
-    patched: list[nn.Module] = []
-    counts = {"gated_deltanet": 0, "attention": 0}
-    for module in base.modules():
-        if type(module) not in layers:
-            continue
-        forward, kind = layers[type(module)]
-        if kind == "gated_deltanet":
-            _check_conv_not_adapted(module)
-        _install(module, forward, plan, kernels, context)
-        patched.append(module)
-        counts[kind] += 1
-    norms = [m for decoder in base.modules() if type(decoder) in plan.decoder
-             for m in decoder.modules() if type(m) in plan.rms_norm and not _forward_replaced(m)]
-    for module in norms:
-        _install(module, rms_norm_forward, plan, kernels, context)
-    patched += norms
+    patched, counts, norms = _install_layers(base, plan, kernels, context)
 
     report = PatchReport(
         family=plan.name,
@@ -235,6 +217,29 @@ def patch_model(
     if log:
         LOG.info("%s", report.format())
     return report
+
+
+def _install_layers(base: nn.Module, plan: FamilyPlan, kernels: KernelSet, context: ForwardContext):
+    """The fused forwards on every Gated DeltaNet, attention and RMSNorm module of the decoder:
+    (patched modules, layer counts by kind, the norms among them)."""
+    layers = {cls: (gated_deltanet_forward, "gated_deltanet") for cls in plan.gated_deltanet}
+    layers.update({cls: (attention_forward, "attention") for cls in plan.attention})
+    patched: list[nn.Module] = []
+    counts = {"gated_deltanet": 0, "attention": 0}
+    for module in base.modules():
+        if type(module) not in layers:
+            continue
+        forward, kind = layers[type(module)]
+        if kind == "gated_deltanet":
+            _check_conv_not_adapted(module)
+        _install(module, forward, plan, kernels, context)
+        patched.append(module)
+        counts[kind] += 1
+    norms = [m for decoder in base.modules() if type(decoder) in plan.decoder
+             for m in decoder.modules() if type(m) in plan.rms_norm and not _forward_replaced(m)]
+    for module in norms:
+        _install(module, rms_norm_forward, plan, kernels, context)
+    return patched + norms, counts, norms
 
 
 def unpatch_model(model: nn.Module) -> None:
