@@ -87,6 +87,19 @@ def test_fp8_linear_is_the_exact_product_of_its_quantized_operands(keep_transpos
     assert rel(x.grad, dy.float() @ w.float()) <= fp8_decision.TOLERANCE
 
 
+def test_the_bf16_input_gradient_is_dy_times_the_dequantized_weight():
+    """`input_gradient="bf16"` (FP8 forward only): dy is not quantized, the weight's own rounding stays."""
+    torch.manual_seed(5)
+    w = (torch.randn(80, 48) / 48 ** 0.5).to(torch.bfloat16)
+    x = torch.randn(21, 48, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(21, 80, dtype=torch.bfloat16)
+    fp8 = Fp8Weight.quantize(w)
+    fp8_linear(x, fp8, input_gradient="bf16").backward(dy)
+    assert rel(x.grad, dy.double() @ (fp8.data.double() * fp8.scale.double().reshape(-1, 1))) <= 1e-2
+    with pytest.raises(ValueError, match="one of"):
+        fp8_linear(x, fp8, input_gradient="fp16")
+
+
 def test_fp8_linear_gives_no_gradient_to_the_weight_or_bias_and_adds_the_bias():
     torch.manual_seed(3)
     w, b = torch.randn(32, 32), torch.randn(32)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..kernel_choice.fp8_decision import ShapeDecision, decide
-from ..ops.fp8_linear import Fp8Weight, InputCache, fp8_linear
+from ..ops.fp8_linear import INPUT_GRADIENTS, Fp8Weight, InputCache, fp8_linear
 from ..ops.fp8_quantize import ALIGN, E4M3
 from .instance_forward import forward_attr
 
@@ -65,12 +65,16 @@ class Fp8Weights:
     decisions: dict[tuple[int, int], ShapeDecision] = field(default_factory=dict)
     roles: dict[str, tuple[int, int]] = field(default_factory=dict)  # report row -> shape
     tokens: int = 0
+    input_gradient: str = "fp8"
     bf16_bytes: int = 0
     fp8_bytes: int = 0
     cache: InputCache = field(default_factory=InputCache)
 
     @classmethod
-    def install(cls, decoders: list[nn.Module], *, tokens: int, keep_transposed: bool = False) -> Fp8Weights:
+    def install(cls, decoders: list[nn.Module], *, tokens: int, keep_transposed: bool = False,
+                input_gradient: str = "fp8") -> Fp8Weights:
+        if input_gradient not in INPUT_GRADIENTS:
+            raise ValueError(f"fp8 input_gradient={input_gradient!r}: one of {INPUT_GRADIENTS}")
         found = candidates(decoders)
         if not found:
             raise ValueError("fastqwen_fp8: no frozen projection of at least "
@@ -80,7 +84,7 @@ class Fp8Weights:
         samples = {}
         for module in found.values():
             samples.setdefault(tuple(module.weight.shape), module.weight)
-        self = cls(tokens=tokens)
+        self = cls(tokens=tokens, input_gradient=input_gradient)
         self.decisions = decide(samples, tokens, keep_transposed, next(iter(samples.values())).dtype)
         for name, module in found.items():
             shape = tuple(module.weight.shape)
@@ -101,7 +105,7 @@ class Fp8Weights:
             module.register_buffer(TRANSPOSED, fp8.transposed, persistent=False)
         attr = forward_attr(module)
         module.__dict__["_fastqwen_fp8"] = (attr, attr in module.__dict__, getattr(module, attr), name)
-        setattr(module, attr, _Forward(module, self.cache))
+        setattr(module, attr, _Forward(module, self.cache, self.input_gradient))
         self.modules[name] = module
 
     def restore(self) -> None:
@@ -130,6 +134,7 @@ class Fp8Weights:
                           "transposed_copy_kept": decision.keep_transposed, "bf16_ms": decision.bf16_ms,
                           "fp8_ms": decision.fp8_ms}
         return {"projections": rows, "modules_fp8": len(self.modules), "tokens_timed": self.tokens,
+                "input_gradient": self.input_gradient,
                 "bf16_bytes_freed": self.bf16_bytes, "fp8_bytes": self.fp8_bytes,
                 "gpu_bytes_saved": self.bf16_bytes - self.fp8_bytes,
                 "host_bytes": sum(t.numel() * t.element_size() for t in self.host.values())}
@@ -138,9 +143,10 @@ class Fp8Weights:
 class _Forward:
     """The instance forward of a quantized projection (keeps `nn.Linear.forward`'s one argument)."""
 
-    def __init__(self, module: nn.Linear, cache: InputCache):
+    def __init__(self, module: nn.Linear, cache: InputCache, input_gradient: str):
         self.module = module
         self.cache = cache
+        self.input_gradient = input_gradient
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
@@ -151,7 +157,7 @@ class _Forward:
                 "it was quantized, which turns it into meaningless values. Cast the model before the plugin patches "
                 "it, or call unpatch_model(model) first.")
         fp8 = Fp8Weight(weight, module._buffers[SCALE], module._buffers.get(TRANSPOSED))
-        return fp8_linear(x, fp8, module.bias, self.cache)
+        return fp8_linear(x, fp8, module.bias, self.cache, self.input_gradient)
 
 
 def _check_device(device: torch.device) -> None:

@@ -154,6 +154,7 @@ def patch_model(
     fp8: bool = False,
     fp8_tokens: int = 8192,
     fp8_keep_transposed: bool = False,
+    fp8_input_gradient: str = "fp8",
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -171,7 +172,8 @@ def patch_model(
         not win. `fp8_keep_transposed` keeps a second, transposed FP8 copy for the input gradient (1 more
         byte a parameter, 0-8% faster GEMM pairs on an H100) instead of transposing per backward: by
         default the weights take half their bf16 memory, which `fastqwen_checkpointing: auto` spends on
-        kept layers.
+        kept layers. `fp8_input_gradient="bf16"` runs the input gradients in bf16 on the dequantized
+        weights (FP8 forward only: a diagnostic).
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -210,7 +212,8 @@ def patch_model(
         report.lean = LeanActivations(layers, plan.family.layer_norms)
     if fp8:
         decoders = [m for m in base.modules() if type(m) in plan.decoder]
-        report.fp8 = Fp8Weights.install(decoders, tokens=fp8_tokens, keep_transposed=fp8_keep_transposed)
+        report.fp8 = Fp8Weights.install(decoders, tokens=fp8_tokens, keep_transposed=fp8_keep_transposed,
+                                        input_gradient=fp8_input_gradient)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context, "expert_adapters": expert_adapters,
                                  "experts_before": experts_before}
