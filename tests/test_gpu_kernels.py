@@ -638,6 +638,13 @@ def test_27b_vl_slice_packed_image_text_row_equals_each_sample_alone(gpu_record)
 FP8_SHAPES = [(17408, 5120), (5120, 17408), (12288, 5120), (5120, 6144), (10240, 5120), (6144, 5120), (1024, 5120)]
 
 
+@pytest.fixture
+def hopper():
+    """FP8 GEMMs with row-wise scales need sm_90+; the quantization kernel alone runs anywhere."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip(f"{torch.cuda.get_device_name()}: no FP8 tensor cores with row-wise scaling (sm_90+)")
+
+
 def test_fp8_quantize_kernel_matches_its_reference_at_the_27b_widths(gpu_record):
     """The Triton row quantization against `quantize_rows_reference`: the same scales (both are
     amax / 448 in fp32), and values that differ, if at all, by one e4m3 step (x * 448/amax is one
@@ -664,7 +671,7 @@ def test_fp8_quantize_kernel_matches_its_reference_at_the_27b_widths(gpu_record)
 
 
 @pytest.mark.parametrize("keep_transposed", [False, True])
-def test_fp8_linear_at_the_27b_projection_shapes(keep_transposed, gpu_record):
+def test_fp8_linear_at_the_27b_projection_shapes(keep_transposed, gpu_record, hopper):
     """cuBLAS's FP8 GEMMs at every frozen projection shape of the 27B, 2,048 tokens: against the exact
     product of the quantized operands (fp64), 2e-2 (bf16 output rounding, and the forward's fast
     accumulation), and against the fp32 product of the unquantized ones, `fp8_decision.TOLERANCE`."""
@@ -693,7 +700,7 @@ def test_fp8_linear_at_the_27b_projection_shapes(keep_transposed, gpu_record):
     gpu_record({"test": "fp8_linear_27b_shapes", "keep_transposed": keep_transposed, "rows": rows})
 
 
-def test_fp8_on_the_27b_slice_with_lora(gpu_record):
+def test_fp8_on_the_27b_slice_with_lora(gpu_record, hopper):
     """`patch_model(fp8=True)` on a 4-layer 27B slice in bf16 with LoRA r=16 on every projection, bf16
     autocast, packed row: against the same patched model without FP8, the loss within 2e-2 relative
     and the LoRA gradients (all together) within 0.4: FP8 rounds both operands of every frozen GEMM,
