@@ -28,6 +28,7 @@ from axolotl_fastqwen.transformers_functions import resolved_kernel, stock_torch
 from fastqwen_bench import cpu_fla
 from fastqwen_bench.common import PathSkipped
 from fastqwen_bench.axolotl_best import axolotl_best
+from fastqwen_bench.axolotl_fp8 import axolotl_fp8
 from fastqwen_bench.axolotl_import import import_axolotl_patch
 from fastqwen_bench.restore import Undo, changed_in_module
 
@@ -64,6 +65,11 @@ PATHS: dict[str, PathSpec] = {
             "Liger norms/GLU/fused linear CE (MoE: + ScatterMoE), by Axolotl's own functions",
         ),
         PathSpec("axolotl-best-cce", "multipack", "axolotl-best with cut_cross_entropy instead of Liger's fused linear CE"),
+        PathSpec(
+            "axolotl-best+fp8", "multipack",
+            "axolotl-best with Axolotl's `fp8: true` (torchao Float8Linear, tensorwise, through accelerate's "
+            "convert_model_to_fp8_ao as Axolotl's Trainer applies it; eager, torch_compile off as in axolotl-best)",
+        ),
         PathSpec(
             "axolotl-best+fastqwen", "packed",
             "axolotl-best's set-up with the plugin line added: Axolotl's kernels stay where they compose (LoRA kernels, "
@@ -125,13 +131,14 @@ LETTERS = {
     "m": "fastqwen+ckpt-auto", "n": "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "o": "axolotl-best+fastqwen+ckpt-auto+lean", "p": "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
     "q": "fastqwen+ckpt-auto+torch-norms", "r": "fastqwen+ckpt-auto+lean+fp8", "s": "fastqwen+ckpt-auto+lean",
+    "t": "axolotl-best+fp8",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "axolotl-packing",
-    "axolotl-best", "axolotl-best-cce",
+    "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
 )
@@ -154,6 +161,9 @@ LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqw
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
 FP8 = ("fastqwen+ckpt-auto+lean+fp8",)
+# paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the
+# exact paths' agreement tolerance
+QUANTIZED = (*FP8, "axolotl-best+fp8")
 
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
@@ -197,6 +207,15 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         with stock_torch_kernels(family), experts_implementation(model, EXPERTS_PATHS[name]) as how:
             info["stock_kernels"] = stock_kernels(family)
             info["notes"].append(f"experts_implementation {EXPERTS_PATHS[name]!r} ({how})")
+            yield info
+        return
+    if name == "axolotl-best+fp8":
+        with axolotl_best(model, family, device, dtype, loss="liger", gc=gc) as best, \
+                axolotl_fp8(model, device) as fp8:
+            info["notes"] += best["notes"] + [fp8["note"], fla_gdn_dispatch()]
+            info["axolotl_components"] = best["components"]
+            info["axolotl_config"] = {**best["axolotl_config"], "fp8": True}
+            info["axolotl_fp8"] = fp8
             yield info
         return
     if name in REFERENCE_PATHS:

@@ -71,7 +71,8 @@ def test_bench_writes_complete_json(bench):
     assert result["schema"] == "fastqwen_bench/1" and result["partial"] is False
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
-        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen", "fastqwen+ckpt-auto",
+        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fastqwen",
+        "fastqwen+ckpt-auto",
         "fastqwen+ckpt-auto+torch-norms", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
         "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "stock-moe-eager", "stock-moe-grouped-mm",
@@ -93,6 +94,11 @@ def test_bench_writes_complete_json(bench):
         assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["hfu"] >= r["mfu"]
         assert r["triton_after_warmup"] == {} and r["recompiles_after_warmup"] == 0
     assert _path(result, "fastqwen")["patch_report"]["layers_patched"]["gated_deltanet"] == 3
+    if with_axolotl and importlib.util.find_spec("torchao"):
+        fp8 = _path(result, "axolotl-best+fp8")
+        assert fp8["status"] == "ok", fp8.get("error")
+        assert fp8["axolotl_fp8"]["converted"] > fp8["axolotl_fp8"]["lora_matrices_converted"] > 0
+        assert fp8["axolotl_config"]["fp8"] is True
     md = (out / "bench.md").read_text()
     assert "| path | layout | status | tokens/s" in md and "| fastqwen | packed | ok |" in md
 
@@ -104,6 +110,8 @@ def test_fastqwen_loss_matches_stock_on_the_calibration_row(bench):
     assert fast["calibration_loss"] == pytest.approx(stock["calibration_loss"], rel=1e-4)
     assert result["calibration"]["reference"] == "stock-torch-padded"
     assert result["calibration"]["agree"] is True
+    if "axolotl-best+fp8" in result["calibration"]["paths"]:  # FP8 rounds: reported, outside the agreement
+        assert 1e-6 < result["calibration"]["fp8_rel_diff"]["axolotl-best+fp8"] < 2e-2
 
 
 def test_launch_counts_are_cpu_ops_on_cpu(bench):
@@ -271,8 +279,8 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
                                       "axolotl-best-cce"]
-    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-8:] == (
-        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fastqwen",
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-9:] == (
+        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fastqwen",
         "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
     )  # Axolotl's patches last
@@ -601,3 +609,28 @@ def test_launch_census_groups_launches_by_the_op_chain_that_issued_them():
     # views and allocations launch no kernel on a GPU and are not counted
     assert not any(ops.startswith(("aten::view", "aten::as_strided", "aten::empty")) for ops in rows), rows
     assert all(r["category"] == "cpu op" and r["ms_per_step"] == 0.0 for r in rows.values())
+
+
+def test_axolotls_fp8_conversion_is_undone_with_the_same_parameters():
+    """The `axolotl-best+fp8` path swaps nn.Linear modules for torchao's Float8Linear as Accelerate
+    does for Axolotl's `fp8: true` (the first and last linear kept), then puts every module back: the
+    same objects, the same Parameters (the optimizer built before the path still holds them)."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("accelerate")
+    from peft import LoraConfig, get_peft_model
+    from torchao.float8.float8_linear import Float8Linear
+
+    from fastqwen_bench.axolotl_fp8 import axolotl_fp8
+
+    model = get_peft_model(build_model(build_config(get_shape("tiny"), None), "qwen3_5", torch.device("cpu"),
+                                       torch.float32, 0)[0], LoraConfig(r=16, target_modules=["q_proj", "gate_proj"]))
+    before = {name: m for name, m in model.named_modules()}
+    params = {name: p for name, p in model.named_parameters()}
+    with axolotl_fp8(model, torch.device("cpu")) as info:
+        swapped = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+        assert len(swapped) == info["converted"] > info["lora_matrices_converted"] > 0
+        linear = [name for name, m in before.items() if isinstance(m, torch.nn.Linear)]
+        assert linear[0] not in swapped and linear[-1] not in swapped  # accelerate's filter: first and last kept
+        assert all(p is params[name] for name, p in model.named_parameters())
+    assert {name: m for name, m in model.named_modules()} == before
+    assert all(p is params[name] for name, p in model.named_parameters())
