@@ -131,7 +131,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
                cache: InputCache | None = None, input_gradient: str = "fp8") -> torch.Tensor:
     """`x·Wᵀ (+ bias)` with `W` frozen and FP8: autograd gives `x` its gradient, `W` and `bias` none.
     `input_gradient="bf16"` runs `dy·W` in bf16 on the dequantized weight (a diagnostic of where FP8's
-    error enters training; it gives back about half of the speed-up)."""
+    error enters training; it gives back most of the speed-up: 1.04x against 1.19x, 8 layers, H100)."""
     if input_gradient not in INPUT_GRADIENTS:
         raise ValueError(f"input_gradient={input_gradient!r}: one of {INPUT_GRADIENTS}")
     return _FrozenFp8Linear.apply(x, weight, bias, cache, input_gradient)
