@@ -46,9 +46,6 @@ class Fp8Weight:
             out.transposed = data.t().contiguous()
         return out
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.float() * self.scale.reshape(-1, 1)).to(dtype)
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.transposed) if t is not None)
@@ -56,10 +53,6 @@ class Fp8Weight:
     def input_gradient_layout(self) -> torch.Tensor:
         """`W_q` as `[K, N]` row-major (so that `.t()` is the column-major `[N, K]` operand)."""
         return self.transposed if self.transposed is not None else transpose(self.data)
-
-    def to(self, device: torch.device) -> Fp8Weight:
-        moved = [t.to(device) if t is not None else None for t in (self.data, self.scale, self.transposed)]
-        return Fp8Weight(*moved)
 
 
 class InputCache:
@@ -83,9 +76,19 @@ class InputCache:
         self._source, self._value = None, None
 
 
-def _scaled_mm(a, b, scale_a, scale_b, fast_accum: bool) -> torch.Tensor:
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
-                            use_fast_accum=fast_accum)
+def forward_gemm(xq: torch.Tensor, sx: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`x·Wᵀ` of a quantized `[R, K]` input (bf16 `[R, N]`), with fast accumulation as torchao's forward."""
+    return torch._scaled_mm(xq, weight.data.t(), scale_a=sx, scale_b=weight.scale, out_dtype=torch.bfloat16,
+                            use_fast_accum=True)
+
+
+def input_gradient_gemm(dy: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`dy·W` of a 2D output gradient `[M, N]`: dy quantized per token with the weight's scales folded
+    in, then the FP8 GEMM on `W_q` in its K-major layout (bf16 `[aligned(M), K]`)."""
+    dq, sd = quantize_rows(dy, col_scale=weight.scale.reshape(-1))
+    ones = torch.ones(1, weight.data.shape[1], dtype=torch.float32, device=dy.device)
+    return torch._scaled_mm(dq, weight.input_gradient_layout().t(), scale_a=sd, scale_b=ones,
+                            out_dtype=torch.bfloat16)
 
 
 INPUT_GRADIENTS = ("fp8", "bf16")  # how `dy·W` runs: on FP8 (dy quantized), or bf16 on the dequantized weight
@@ -101,7 +104,7 @@ class _FrozenFp8Linear(torch.autograd.Function):
             xq, sx = cache.get(x, rows_out)
         else:
             xq, sx = quantize_rows(x.reshape(rows, x.shape[-1]), rows_out=rows_out)
-        y = _scaled_mm(xq, weight.data.t(), sx, weight.scale, fast_accum=True)[:rows]
+        y = forward_gemm(xq, sx, weight)[:rows]
         y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -120,10 +123,7 @@ class _FrozenFp8Linear(torch.autograd.Function):
             w = weight.data.to(torch.bfloat16) * weight.scale.reshape(-1, 1).to(torch.bfloat16)
             return (dy.to(torch.bfloat16) @ w).to(ctx.dtype), None, None, None, None
         rows = dy.numel() // dy.shape[-1]
-        dq, sd = quantize_rows(dy.reshape(rows, dy.shape[-1]), col_scale=weight.scale.reshape(-1),
-                               rows_out=aligned(rows))
-        ones = torch.ones(1, weight.data.shape[1], dtype=torch.float32, device=dy.device)
-        dx = _scaled_mm(dq, weight.input_gradient_layout().t(), sd, ones, fast_accum=False)[:rows]
+        dx = input_gradient_gemm(dy.reshape(rows, dy.shape[-1]), weight)[:rows]
         return dx.to(ctx.dtype).reshape(ctx.shape), None, None, None, None
 
 
