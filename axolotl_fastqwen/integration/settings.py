@@ -35,6 +35,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from ..ops import check_op_names
+from ..ops.fp8_linear import MIN_CAPABILITY
 from ..packing.planner import TOKEN_BUDGET_MULTIPLE, check_token_budget
 from .keys import FastQwenArgs
 
@@ -463,7 +464,7 @@ def _fp8(cfg: Mapping, wanted: bool, env: Environment, patch_layers: bool, decis
         why.append(f"{env.processes} processes: FP8 is measured and validated on one GPU")
     if not env.cuda_devices:
         why.append("no CUDA GPU here: FP8 tensor cores with row-wise scaling exist on Hopper (sm_90) and newer")
-    elif env.gpu is not None and tuple(env.gpu[1]) < (9, 0):
+    elif env.gpu is not None and tuple(env.gpu[1]) < MIN_CAPABILITY:
         name, capability = env.gpu
         why.append(f"{name} (sm_{capability[0]}{capability[1]}) has no FP8 tensor cores with row-wise scaling "
                    "(Hopper, sm_90, or newer)")

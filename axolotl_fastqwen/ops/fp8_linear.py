@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from .fp8_quantize import E4M3, E4M3_MAX, aligned, quantize_rows
+
+# torch._scaled_mm with row-wise scales on CUDA: Hopper (sm_90) or newer
+MIN_CAPABILITY = (9, 0)
 from .fp8_transpose import transpose
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..kernel_choice.fp8_decision import ShapeDecision, decide
-from ..ops.fp8_linear import INPUT_GRADIENTS, Fp8Weight, InputCache, fp8_linear
+from ..ops.fp8_linear import INPUT_GRADIENTS, MIN_CAPABILITY, Fp8Weight, InputCache, fp8_linear
 from ..ops.fp8_quantize import ALIGN, E4M3
 from .instance_forward import forward_attr
 
@@ -162,7 +162,7 @@ class _Forward:
 
 def _check_device(device: torch.device) -> None:
     """`torch._scaled_mm` with row-wise scales: Hopper or newer on CUDA; PyTorch's CPU kernel otherwise."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         raise Fp8Unavailable(f"fastqwen_fp8 needs FP8 tensor cores with row-wise scaling (Hopper, sm_90, or newer); "
                              f"{name} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}")
