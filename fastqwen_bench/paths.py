@@ -114,6 +114,11 @@ PATHS: dict[str, PathSpec] = {
             "each shape self-checked and timed at load)",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+fp8-forward", "packed",
+            "fastqwen+ckpt-auto+lean+fp8 with the input gradient in bf16 on the dequantized weights "
+            "(patch_model(fp8_input_gradient='bf16')): FP8's forward GEMMs and its memory, no quantized dy",
+        ),
+        PathSpec(
             "stock-moe-eager", "padded",
             "MoE only: stock transformers, PyTorch fallback kernels, experts_implementation eager, padded batches",
         ),
@@ -131,13 +136,14 @@ LETTERS = {
     "m": "fastqwen+ckpt-auto", "n": "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "o": "axolotl-best+fastqwen+ckpt-auto+lean", "p": "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
     "q": "fastqwen+ckpt-auto+torch-norms", "r": "fastqwen+ckpt-auto+lean+fp8", "s": "fastqwen+ckpt-auto+lean",
-    "t": "axolotl-best+fp8",
+    "t": "axolotl-best+fp8", "u": "fastqwen+ckpt-auto+lean+fp8-forward",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
-    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "axolotl-packing",
+    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
+    "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
@@ -148,6 +154,7 @@ EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm
 # path -> the path it repeats with fastqwen_checkpointing: auto (the bench's loop drives the fitter)
 CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torch-norms": "fastqwen",
                       "fastqwen+ckpt-auto+lean": "fastqwen", "fastqwen+ckpt-auto+lean+fp8": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+lean": "axolotl-best+fastqwen",
@@ -158,9 +165,11 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
                      "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": {"gated_delta_rule": "flash-qla"}}
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
-                    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8")
+                    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
-FP8 = ("fastqwen+ckpt-auto+lean+fp8",)
+FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward")
+# FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
+FP8_BF16_INPUT_GRADIENT = ("fastqwen+ckpt-auto+lean+fp8-forward",)
 # paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the
 # exact paths' agreement tolerance
 QUANTIZED = (*FP8, "axolotl-best+fp8")
@@ -197,6 +206,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     prefer = KERNEL_PREFERENCE.get(name)
     lean = name in LEAN_ACTIVATIONS
     fp8 = budget if name in FP8 else None
+    input_gradient = "bf16" if name in FP8_BF16_INPUT_GRADIENT else "fp8"
     if name in CHECKPOINTING_AUTO:
         if not gc:
             raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
@@ -269,7 +279,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
-            with _plugin(model, device, info, prefer, lean, fp8):
+            with _plugin(model, device, info, prefer, lean, fp8, input_gradient):
                 yield info
         finally:
             undo.restore()
@@ -301,12 +311,12 @@ def fla_gdn_dispatch() -> str:
 
 @contextlib.contextmanager
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
-            lean: bool = False, fp8_tokens: int | None = None) -> Iterator[None]:
+            lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8") -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
     report = patch_model(model, prefer=prefer, lean_activations=lean, fp8=bool(fp8_tokens),
-                         fp8_tokens=fp8_tokens or 8192)
+                         fp8_tokens=fp8_tokens or 8192, fp8_input_gradient=fp8_input_gradient)
     info["patch_report"] = report
     try:
         if device.type == "cuda":

@@ -75,10 +75,11 @@ def test_bench_writes_complete_json(bench):
         "fastqwen+ckpt-auto",
         "fastqwen+ckpt-auto+torch-norms", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
-        "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "stock-moe-eager", "stock-moe-grouped-mm",
+        "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
+        "stock-moe-eager", "stock-moe-grouped-mm",
     ]
     for name in ("axolotl-best+fastqwen+ckpt-auto+flash-qla", "axolotl-best+fastqwen+ckpt-auto+lean",
-                 "fastqwen+ckpt-auto+lean+fp8"):
+                 "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward"):
         assert _path(result, name)["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
