@@ -26,7 +26,7 @@ from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.kernel_choice import fp8_decision
 from axolotl_fastqwen.ops.fp8_linear import Fp8Weight, InputCache, bf16_linear_reference, fp8_linear
 from axolotl_fastqwen.ops import fp8_quantize
-from axolotl_fastqwen.ops.fp8_quantize import E4M3, E4M3_MAX, quantize_rows_reference
+from axolotl_fastqwen.ops.fp8_quantize import E4M3, E4M3_MAX, quantize_blocks_reference, quantize_rows_reference
 from axolotl_fastqwen.patching import fp8_weights
 from test_lean_activations import lora_model
 from test_patching import packed_batch, sequences
@@ -58,6 +58,37 @@ def test_a_column_factor_is_applied_before_the_rows_scale():
     x, c = torch.randn(20, 64), torch.rand(64) + 0.1
     q1, s1 = quantize_rows_reference(x, col_scale=c)
     q2, s2 = quantize_rows_reference(x * c)
+    assert torch.equal(q1.float(), q2.float()) and torch.equal(s1, s2)
+
+
+def test_block_quantization_scales_each_1x128_block_on_its_own_in_the_gemms_layout():
+    torch.manual_seed(6)
+    x = torch.randn(21, 384)
+    x[3, 300] = 1e5  # an outlier channel in row 3's third block
+    x[7] = 0.0
+    q, scale = quantize_blocks_reference(x)
+    assert q.shape == (32, 384) and scale.shape == (32, 3) and scale.stride() == (1, 32)  # outer-dim-major
+    assert torch.equal(scale[21:], torch.ones(11, 3)) and torch.equal(q[21:].float(), torch.zeros(11, 384))
+    amax = x.reshape(21, 3, 128).abs().amax(2)
+    assert torch.allclose(scale[:21][amax > 0], (amax / E4M3_MAX)[amax > 0], rtol=1e-6)
+    back = q[:21].float() * scale[:21].repeat_interleave(128, dim=1)
+    floor = scale[:21].repeat_interleave(128, dim=1) * 2.0 ** -9
+    assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + floor).all()
+    # the outlier costs only its own block: the row's other blocks keep e4m3's full precision, where
+    # one scale per row pushes them into the subnormals (what `fp8-1x128` is for)
+    rq, rs = quantize_rows_reference(x)
+    rows_back = rq[:21].float() * rs[:21]
+    clean = slice(0, 256)
+    assert rel(back[3, clean], x[3, clean]) <= 0.04 < 0.1 <= rel(rows_back[3, clean], x[3, clean])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_blocks_reference(torch.randn(4, 200))
+
+
+def test_a_column_factor_is_applied_before_the_block_scales():
+    torch.manual_seed(7)
+    x, c = torch.randn(20, 256), torch.rand(256) + 0.1
+    q1, s1 = quantize_blocks_reference(x, col_scale=c)
+    q2, s2 = quantize_blocks_reference(x * c)
     assert torch.equal(q1.float(), q2.float()) and torch.equal(s1, s2)
 
 
@@ -98,6 +129,43 @@ def test_the_bf16_input_gradient_is_dy_times_the_dequantized_weight():
     assert rel(x.grad, dy.double() @ (fp8.data.double() * fp8.scale.double().reshape(-1, 1))) <= 1e-2
     with pytest.raises(ValueError, match="one of"):
         fp8_linear(x, fp8, input_gradient="fp16")
+    with pytest.raises(ValueError, match="multiple of 128"):  # 80 output channels: no 1x128 blocks
+        fp8_linear(x, fp8, input_gradient="fp8-1x128").backward(dy)
+
+
+def test_the_block_scaled_input_gradient_keeps_an_outlier_channel_from_costing_its_row():
+    """`input_gradient="fp8-1x128"`: the forward is the row-wise one; dx against the fp32 product of the
+    unquantized operands. With one output channel 10^4 above the rest of dy (an outlier), per-token
+    scales push the rest of each row into e4m3's subnormals and 1x128 blocks do not (errors measured
+    below)."""
+    torch.manual_seed(8)
+    w = (torch.randn(256, 96) / 96 ** 0.5).to(torch.bfloat16)
+    x = torch.randn(21, 96, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(21, 256, dtype=torch.bfloat16)
+    fp8 = Fp8Weight.quantize(w)
+    y = fp8_linear(x, fp8, input_gradient="fp8-1x128")
+    assert torch.equal(y, fp8_linear(x, fp8))
+    y.backward(dy)
+    dq, sd = quantize_blocks_reference(dy, col_scale=fp8.scale.reshape(-1))
+    exact = (dq[:21].double() * sd[:21].double().repeat_interleave(128, dim=1)) @ fp8.data.double()
+    assert rel(x.grad, exact) <= 1e-2
+    assert rel(x.grad, dy.float() @ w.float()) <= fp8_decision.TOLERANCE
+
+    # an outlier channel (200) whose weight row is zero and whose block (128-255) is otherwise empty:
+    # the true dx is the product of the first block alone, which the outlier can only spoil through
+    # the scale it sets
+    w0 = w.clone()
+    w0[200] = 0
+    fp8_0 = Fp8Weight.quantize(w0)
+    spiky = dy.clone()
+    spiky[:, 128:] = 0
+    spiky[:, 200] = 1e4
+    errors = {}
+    for how in ("fp8", "fp8-1x128"):
+        xs = x.detach().clone().requires_grad_(True)
+        fp8_linear(xs, fp8_0, input_gradient=how).backward(spiky)
+        errors[how] = rel(xs.grad, spiky.float() @ w0.float())
+    assert errors["fp8-1x128"] <= fp8_decision.TOLERANCE < errors["fp8"], errors
 
 
 def test_fp8_linear_gives_no_gradient_to_the_weight_or_bias_and_adds_the_bias():
@@ -272,7 +340,8 @@ def test_a_shape_whose_self_check_fails_stays_bf16_and_the_report_says_why(small
 # ---- the Triton kernels, in Triton's interpreter ------------------------------------------------
 INTERPRETED = r"""
 import torch
-from axolotl_fastqwen.ops.fp8_quantize import quantize_rows_reference, quantize_rows_triton
+from axolotl_fastqwen.ops.fp8_quantize import (quantize_blocks_reference, quantize_blocks_triton,
+                                               quantize_rows_reference, quantize_rows_triton)
 from axolotl_fastqwen.ops.fp8_transpose import transpose_triton
 
 torch.manual_seed(0)
@@ -285,6 +354,16 @@ for c in (None, col):
     q, s = quantize_rows_triton(x, col_scale=c)
     qr, sr = quantize_rows_reference(x, col_scale=c)
     assert q.shape == qr.shape == (48, 300) and torch.equal(s, sr), (s - sr).abs().max()
+    assert torch.equal(q[37:].float(), qr[37:].float())
+xb = (torch.randn(37, 1280) * 3).to(torch.bfloat16)  # 10 blocks: one full group of 8 and a cut one
+xb[5] = 0
+xb[9, 1100] = 1e4
+colb = torch.rand(1280) + 0.5
+for c in (None, colb):
+    q, s = quantize_blocks_triton(xb, col_scale=c)
+    qr, sr = quantize_blocks_reference(xb, col_scale=c)
+    assert q.shape == qr.shape == (48, 1280) and s.stride() == sr.stride() == (1, 48)
+    assert torch.equal(s, sr), (s - sr).abs().max()
     assert torch.equal(q[37:].float(), qr[37:].float())
 print("ok")
 """

@@ -700,6 +700,40 @@ def test_fp8_linear_at_the_27b_projection_shapes(keep_transposed, gpu_record, ho
     gpu_record({"test": "fp8_linear_27b_shapes", "keep_transposed": keep_transposed, "rows": rows})
 
 
+def test_fp8_block_scaled_input_gradient_at_the_27b_projection_shapes(gpu_record, hopper):
+    """`fp8_input_gradient="fp8-1x128"`: the Triton block quantization against its reference (the same
+    scales, values at most one e4m3 step apart in a tiny fraction), and cuBLAS's block-scaled GEMM
+    against the exact product of the block-quantized operands (fp64), `OP_TOL`, and against the fp32
+    product of the unquantized ones, `fp8_decision.TOLERANCE`; both GEMM pairs timed (recorded only)."""
+    from axolotl_fastqwen.kernel_choice import fp8_decision
+    from axolotl_fastqwen.ops.fp8_linear import Fp8Weight, compute_input_gradient
+    from axolotl_fastqwen.ops.fp8_quantize import quantize_blocks_reference, quantize_blocks_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    rows = []
+    for n, k in FP8_SHAPES:
+        w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        dy = torch.randn(2047, n, generator=gen, device="cuda").to(torch.bfloat16)
+        dy[5] = 0
+        fp8 = Fp8Weight.quantize(w)
+        col = fp8.scale.reshape(-1)
+        q, s = quantize_blocks_triton(dy, col_scale=col)
+        qr, sr = quantize_blocks_reference(dy, col_scale=col)
+        assert s.stride() == sr.stride() and torch.allclose(s, sr, rtol=1e-6, atol=0)
+        differ = float((q.float() != qr.float()).float().mean())
+        dx = compute_input_gradient(dy, fp8, "fp8-1x128")
+        exact = (qr.double() * sr.double().repeat_interleave(128, dim=1))[:2047] @ fp8.data.double()
+        row = {"shape": [n, k], "kernel_values_differing": differ, "exact_dx": _rel(dx.double(), exact),
+               "vs_fp32": _rel(dx, dy.float() @ w.float()),
+               "vs_fp32_rowwise": _rel(compute_input_gradient(dy, fp8, "fp8"), dy.float() @ w.float())}
+        for how in ("fp8", "fp8-1x128"):
+            row[f"ms_{how}"] = fp8_decision.median_ms(lambda: compute_input_gradient(dy, fp8, how))
+        rows.append(row)
+        assert differ <= 1e-3 and row["exact_dx"] <= OP_TOL and row["vs_fp32"] <= fp8_decision.TOLERANCE, row
+        del w, dy, fp8, q, qr, dx, exact
+    gpu_record({"test": "fp8_block_scaled_input_gradient_27b_shapes", "rows": rows})
+
+
 def test_fp8_on_the_27b_slice_with_lora(gpu_record, hopper):
     """`patch_model(fp8=True)` on a 4-layer 27B slice in bf16 with LoRA r=16 on every projection, bf16
     autocast, packed row: against the same patched model without FP8, the loss within 2e-2 relative

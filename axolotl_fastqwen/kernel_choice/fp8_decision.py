@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops.fp8_linear import Fp8Weight, bf16_linear_reference, forward_gemm, fp8_linear, input_gradient_gemm
+from ..ops.fp8_linear import Fp8Weight, bf16_linear_reference, compute_input_gradient, forward_gemm, fp8_linear
 from ..ops.fp8_quantize import quantize_rows
 from .selfcheck import rel_err
 
@@ -51,20 +51,22 @@ class ShapeDecision:
         return out
 
 
-def self_check(weight: torch.Tensor, keep_transposed: bool, dtype: torch.dtype) -> float:
-    """Relative error of the FP8 forward and input gradient against the fp32 product, on `weight`."""
+def self_check(weight: torch.Tensor, keep_transposed: bool, dtype: torch.dtype, input_gradient: str = "fp8") -> float:
+    """Relative error of the FP8 forward and input gradient (computed as `input_gradient` says) against
+    the fp32 product, on `weight`."""
     gen = torch.Generator(device=weight.device).manual_seed(11)
     x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=gen, device=weight.device).to(dtype)
     dy = torch.randn(CHECK_TOKENS, weight.shape[0], generator=gen, device=weight.device).to(dtype)
     fp8 = Fp8Weight.quantize(weight, keep_transposed=keep_transposed)
     with torch.enable_grad(), torch.autocast(weight.device.type, enabled=False):
         xf = x.clone().requires_grad_(True)
-        y = fp8_linear(xf, fp8)
+        y = fp8_linear(xf, fp8, input_gradient=input_gradient)
         (dx,) = torch.autograd.grad(y, xf, dy)
     return max(rel_err(y, bf16_linear_reference(x, weight)), rel_err(dx, dy.float() @ weight.float()))
 
 
-def _time(fn, iters: int = 10, warmup: int = 3) -> float:
+def median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    """The median of `iters` CUDA-event timings of `fn` (ms), after `warmup` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -78,7 +80,8 @@ def _time(fn, iters: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def time_shape(weight: torch.Tensor, tokens: int, keep_transposed: bool) -> tuple[float, float]:
+def time_shape(weight: torch.Tensor, tokens: int, keep_transposed: bool,
+               input_gradient: str = "fp8") -> tuple[float, float]:
     """(bf16 ms, FP8 ms) of one row's forward + input gradient through `weight`, on its GPU."""
     n, k = weight.shape
     gen = torch.Generator(device=weight.device).manual_seed(3)
@@ -92,21 +95,21 @@ def time_shape(weight: torch.Tensor, tokens: int, keep_transposed: bool) -> tupl
 
     def fp8_pair():  # what the op runs (ops/fp8_linear.py), tokens a multiple of 16: no padding
         forward_gemm(*quantize_rows(x), fp8)
-        input_gradient_gemm(dy, fp8)
+        compute_input_gradient(dy, fp8, input_gradient)
 
     with torch.no_grad():
-        return _time(bf16), _time(fp8_pair)
+        return median_ms(bf16), median_ms(fp8_pair)
 
 
 def decide(samples: dict[tuple[int, int], torch.Tensor], tokens: int, keep_transposed: bool = False,
-           dtype: torch.dtype = torch.bfloat16) -> dict[tuple[int, int], ShapeDecision]:
+           dtype: torch.dtype = torch.bfloat16, input_gradient: str = "fp8") -> dict[tuple[int, int], ShapeDecision]:
     """One decision per `[N, K]`, each from one weight of that shape (`samples`), with the input
-    gradient's layout `keep_transposed`."""
+    gradient's layout `keep_transposed`, computed as `input_gradient` says (ops/fp8_linear.INPUT_GRADIENTS)."""
     out = {}
     for (n, k), weight in samples.items():
         decision = ShapeDecision(n, k, fp8=False, why="", keep_transposed=keep_transposed)
         try:
-            decision.error = self_check(weight, keep_transposed, dtype)
+            decision.error = self_check(weight, keep_transposed, dtype, input_gradient)
         except Exception as exc:  # noqa: BLE001 - any failure keeps bf16, with the reason
             decision.why = f"self-check raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             out[(n, k)] = decision
@@ -116,7 +119,7 @@ def decide(samples: dict[tuple[int, int], torch.Tensor], tokens: int, keep_trans
         elif weight.device.type != "cuda":
             decision.fp8, decision.why = True, f"{weight.device.type}: not timed (FP8 speed exists on Hopper only)"
         else:
-            decision.bf16_ms, decision.fp8_ms = time_shape(weight, tokens, keep_transposed)
+            decision.bf16_ms, decision.fp8_ms = time_shape(weight, tokens, keep_transposed, input_gradient)
             decision.fp8 = decision.speedup >= MIN_SPEEDUP
             layout = "transposed copy kept" if decision.keep_transposed else "transposed per backward"
             decision.why = (f"{decision.speedup:.2f}x bf16 at {tokens} tokens (forward + input gradient, "

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8_quantize import E4M3, E4M3_MAX, aligned, quantize_rows
+from .fp8_quantize import BLOCK, E4M3, E4M3_MAX, aligned, quantize_blocks, quantize_rows
+from .fp8_transpose import transpose
 
 # torch._scaled_mm with row-wise scales on CUDA: Hopper (sm_90) or newer
 MIN_CAPABILITY = (9, 0)
-from .fp8_transpose import transpose
 
 
 @dataclass
@@ -85,16 +85,44 @@ def forward_gemm(xq: torch.Tensor, sx: torch.Tensor, weight: Fp8Weight) -> torch
                             use_fast_accum=True)
 
 
-def input_gradient_gemm(dy: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """`dy·W` of a 2D output gradient `[M, N]`: dy quantized per token with the weight's scales folded
-    in, then the FP8 GEMM on `W_q` in its K-major layout (bf16 `[aligned(M), K]`)."""
+def input_gradient_gemm(dy: torch.Tensor, weight: Fp8Weight, blocks: bool = False) -> torch.Tensor:
+    """`dy·W` of a 2D output gradient `[M, N]`: dy quantized per token (or per 1x128 block: `blocks`)
+    with the weight's scales folded in, then the FP8 GEMM on `W_q` in its K-major layout (bf16
+    `[aligned(M), K]`)."""
+    if blocks:
+        return _block_scaled_input_gradient(dy, weight)
     dq, sd = quantize_rows(dy, col_scale=weight.scale.reshape(-1))
     ones = torch.ones(1, weight.data.shape[1], dtype=torch.float32, device=dy.device)
     return torch._scaled_mm(dq, weight.input_gradient_layout().t(), scale_a=sd, scale_b=ones,
                             out_dtype=torch.bfloat16)
 
 
-INPUT_GRADIENTS = ("fp8", "bf16")  # how `dy·W` runs: on FP8 (dy quantized), or bf16 on the dequantized weight
+def _block_scaled_input_gradient(dy: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`dy·W` with dy's scales per 1x128 block of the contracted dimension (`ops/fp8_quantize.py` says
+    why): cuBLAS's block-scaled FP8 GEMM (sm_90, CUDA 12.9+) with `W_q`'s side at scale 1 in 1x128
+    blocks too. CPU `_scaled_mm` has no block scales: there the same operands are dequantized and
+    multiplied in fp32 (what the GPU test compares cuBLAS with)."""
+    n, k = weight.data.shape
+    dq, sd = quantize_blocks(dy, col_scale=weight.scale.reshape(-1))
+    if not dy.is_cuda:
+        blockwise = sd.repeat_interleave(BLOCK, dim=1)
+        return ((dq.float() * blockwise) @ weight.data.float()).to(torch.bfloat16)
+    ones = torch.ones(n // BLOCK, k, dtype=torch.float32, device=dy.device)
+    return torch._scaled_mm(dq, weight.input_gradient_layout().t(), scale_a=sd, scale_b=ones,
+                            out_dtype=torch.bfloat16)
+
+
+# how `dy·W` runs: on FP8 with dy quantized per token ("fp8") or per 1x128 block ("fp8-1x128"), or in
+# bf16 on the dequantized weight ("bf16")
+INPUT_GRADIENTS = ("fp8", "fp8-1x128", "bf16")
+
+
+def compute_input_gradient(dy: torch.Tensor, weight: Fp8Weight, how: str) -> torch.Tensor:
+    """`dy·W` of a 2D `[M, N]` output gradient the way `how` (one of `INPUT_GRADIENTS`) says, bf16 `[M, K]`."""
+    if how == "bf16":  # only the weight's own rounding: dy stays as it is
+        w = weight.data.to(torch.bfloat16) * weight.scale.reshape(-1, 1).to(torch.bfloat16)
+        return dy.to(torch.bfloat16) @ w
+    return input_gradient_gemm(dy, weight, blocks=how == "fp8-1x128")[: dy.shape[0]]
 
 
 class _FrozenFp8Linear(torch.autograd.Function):
@@ -121,12 +149,8 @@ class _FrozenFp8Linear(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        weight: Fp8Weight = ctx.weight
-        if ctx.input_gradient == "bf16":  # only the weight's own rounding: dy stays as it is
-            w = weight.data.to(torch.bfloat16) * weight.scale.reshape(-1, 1).to(torch.bfloat16)
-            return (dy.to(torch.bfloat16) @ w).to(ctx.dtype), None, None, None, None
         rows = dy.numel() // dy.shape[-1]
-        dx = input_gradient_gemm(dy.reshape(rows, dy.shape[-1]), weight)[:rows]
+        dx = compute_input_gradient(dy.reshape(rows, dy.shape[-1]), ctx.weight, ctx.input_gradient)
         return dx.to(ctx.dtype).reshape(ctx.shape), None, None, None, None
 
 
@@ -134,7 +158,8 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
                cache: InputCache | None = None, input_gradient: str = "fp8") -> torch.Tensor:
     """`x·Wᵀ (+ bias)` with `W` frozen and FP8: autograd gives `x` its gradient, `W` and `bias` none.
     `input_gradient="bf16"` runs `dy·W` in bf16 on the dequantized weight (a diagnostic of where FP8's
-    error enters training; it gives back most of the speed-up: 1.04x against 1.19x, 8 layers, H100)."""
+    error enters training; it gives back most of the speed-up: 1.04x against 1.19x, 8 layers, H100);
+    `"fp8-1x128"` quantizes dy per 1x128 block instead of per token."""
     if input_gradient not in INPUT_GRADIENTS:
         raise ValueError(f"input_gradient={input_gradient!r}: one of {INPUT_GRADIENTS}")
     return _FrozenFp8Linear.apply(x, weight, bias, cache, input_gradient)

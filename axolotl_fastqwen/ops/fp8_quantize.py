@@ -1,4 +1,5 @@
-"""Row-wise e4m3 quantization of a GEMM input: one scale per row (per token), in one kernel.
+"""e4m3 quantization of a GEMM input, in one kernel: one scale per row (per token), or one per
+1x128 block of a row (`quantize_blocks`).
 
 `q[m, k] = round(x[m, k] * c[k] * 448 / amax_m)` with `amax_m = max_k |x[m, k] * c[k]|` and the
 dequantizing scale `amax_m / 448`, the layout `torch._scaled_mm` takes with row-wise scales. The
@@ -6,6 +7,12 @@ optional column factor `c` folds a per-channel weight scale into the input gradi
 says why). In eager PyTorch this is five full-size passes (abs, amax, multiply, clamp, cast), which
 eat the FP8 GEMM's gain (0.77-1.04x on an H100, issue 35); the Triton kernel reads each row twice from
 cache and writes it once. Rows past `rows_out` (the GEMM's 16-alignment) are zero with scale 1.
+
+Block scales (DeepSeek-V3's 1x128 tiles) serve the output gradient `dy` of the input-gradient GEMM,
+whose error is the one training feels (issue 35): a channel far above the rest of its row sets a
+row's scale and pushes the row's small values toward e4m3's subnormals, where a block's own scale
+keeps them at full precision. They are stored outer-dim-major (`[rows, blocks]` with stride
+`(1, rows)`), the layout `torch._scaled_mm`'s block-scaled GEMM reads on Hopper.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 ALIGN = 16  # torch._scaled_mm: every dimension a multiple of 16
+BLOCK = 128  # the columns one block scale covers (torch._scaled_mm's BlockWise1x128)
 
 
 def aligned(n: int) -> int:
@@ -98,3 +106,87 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_o
     if x.is_cuda:
         return quantize_rows_triton(x, col_scale, rows_out)
     return quantize_rows_reference(x, col_scale, rows_out)
+
+
+def _block_scale_layout(rows_out: int, blocks: int, device) -> torch.Tensor:
+    """`[rows_out, blocks]` fp32 with stride `(1, rows_out)`: outer-dim-major, as the GEMM reads it."""
+    return torch.empty(blocks, rows_out, dtype=torch.float32, device=device).t()
+
+
+def quantize_blocks_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None):
+    """1x128-block quantization in PyTorch: (q [R, K] e4m3, scale [R, K/128] fp32, outer-dim-major);
+    `q[m, k] * scale[m, k // 128]` is `x[m, k] * c[k]` rounded to e4m3."""
+    rows, cols = x.shape
+    if cols % BLOCK:
+        raise ValueError(f"1x{BLOCK} block scales need the columns to be a multiple of {BLOCK}, not {cols}")
+    rows_out = rows_out or aligned(rows)
+    v = x.float()
+    if col_scale is not None:
+        v = v * col_scale.float()
+    v = v.reshape(rows, cols // BLOCK, BLOCK)
+    amax = v.abs().amax(dim=2, keepdim=True)
+    amax = torch.where(amax > 0, amax, torch.full_like(amax, E4M3_MAX))
+    q = torch.zeros(rows_out, cols, dtype=E4M3, device=x.device)
+    q[:rows] = (v * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).reshape(rows, cols).to(E4M3)
+    scale = _block_scale_layout(rows_out, cols // BLOCK, x.device)
+    scale.fill_(1.0)
+    scale[:rows] = (amax / E4M3_MAX).reshape(rows, cols // BLOCK)
+    return q, scale
+
+
+@functools.cache
+def _block_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_blocks_kernel(x_ptr, c_ptr, q_ptr, s_ptr, cols, rows_out, stride_x, stride_q,
+                               HAS_C: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                               FP8_MAX: tl.constexpr):
+        # one row per program, GROUP blocks of BLOCK_K columns at a time: each block's amax is local,
+        # so the row is read once
+        row = tl.program_id(0).to(tl.int64)
+        blocks = tl.arange(0, GROUP)
+        inner = tl.arange(0, BLOCK_K)
+        for first in range(0, cols // BLOCK_K, GROUP):
+            block = first + blocks
+            offs = block[:, None] * BLOCK_K + inner[None, :]
+            mask = offs < cols
+            v = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_C:
+                v = v * tl.load(c_ptr + offs, mask=mask, other=0.0)
+            amax = tl.max(tl.abs(v), axis=1)
+            amax = tl.where(amax > 0, amax, FP8_MAX)
+            q = tl.minimum(tl.maximum(v * (FP8_MAX / amax)[:, None], -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + block.to(tl.int64) * rows_out + row, amax / FP8_MAX, mask=block < cols // BLOCK_K)
+
+    return quantize_blocks_kernel
+
+
+def quantize_blocks_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None):
+    """The Triton kernel (CUDA): same contract as `quantize_blocks_reference`."""
+    rows, cols = x.shape
+    if cols % BLOCK:
+        raise ValueError(f"1x{BLOCK} block scales need the columns to be a multiple of {BLOCK}, not {cols}")
+    rows_out = rows_out or aligned(rows)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(rows_out, cols, dtype=E4M3, device=x.device)
+    scale = _block_scale_layout(rows_out, cols // BLOCK, x.device)
+    if rows_out > rows:
+        q[rows:].zero_()
+        scale[rows:].fill_(1.0)
+    c = col_scale.float().contiguous() if col_scale is not None else scale  # unread when HAS_C is off
+    if rows:
+        _block_kernel()[(rows,)](x, c, q, scale, cols, rows_out, x.stride(0), q.stride(0),
+                                 HAS_C=col_scale is not None, GROUP=8, BLOCK_K=BLOCK, FP8_MAX=E4M3_MAX,
+                                 num_warps=4)
+    return q, scale
+
+
+def quantize_blocks(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None):
+    """1x128-block e4m3 quantization of a 2D tensor: the Triton kernel on CUDA, PyTorch elsewhere."""
+    if x.is_cuda:
+        return quantize_blocks_triton(x, col_scale, rows_out)
+    return quantize_blocks_reference(x, col_scale, rows_out)

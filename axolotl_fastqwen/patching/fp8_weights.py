@@ -85,7 +85,7 @@ class Fp8Weights:
         for module in found.values():
             samples.setdefault(tuple(module.weight.shape), module.weight)
         self = cls(tokens=tokens, input_gradient=input_gradient)
-        self.decisions = decide(samples, tokens, keep_transposed, next(iter(samples.values())).dtype)
+        self.decisions = decide(samples, tokens, keep_transposed, next(iter(samples.values())).dtype, input_gradient)
         for name, module in found.items():
             shape = tuple(module.weight.shape)
             self.roles.setdefault(_role(name), shape)

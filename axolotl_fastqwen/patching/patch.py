@@ -172,8 +172,9 @@ def patch_model(
         not win. `fp8_keep_transposed` keeps a second, transposed FP8 copy for the input gradient (1 more
         byte a parameter, 0-8% faster GEMM pairs on an H100) instead of transposing per backward: by
         default the weights take half their bf16 memory, which `fastqwen_checkpointing: auto` spends on
-        kept layers. `fp8_input_gradient="bf16"` runs the input gradients in bf16 on the dequantized
-        weights (FP8 forward only: a diagnostic).
+        kept layers. `fp8_input_gradient` says how the input gradients `dy·W` run: "fp8" (dy quantized
+        per token), "fp8-1x128" (per 1x128 block, DeepSeek-V3's tiles) or "bf16" on the dequantized
+        weights (FP8 forward only).
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """

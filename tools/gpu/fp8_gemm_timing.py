@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from axolotl_fastqwen.families.base import detect_family  # noqa: E402
 from axolotl_fastqwen import registry  # noqa: E402
-from axolotl_fastqwen.kernel_choice.fp8_decision import _time, self_check, time_shape  # noqa: E402
+from axolotl_fastqwen.kernel_choice.fp8_decision import median_ms, self_check, time_shape  # noqa: E402
 from axolotl_fastqwen.ops.availability import versions  # noqa: E402
 from axolotl_fastqwen.ops.fp8_quantize import quantize_rows_reference, quantize_rows_triton  # noqa: E402
 from axolotl_fastqwen.patching.fp8_weights import _role, candidates  # noqa: E402
@@ -62,8 +62,8 @@ def main() -> None:
         x = torch.randn(args.tokens, k, device=device, dtype=torch.bfloat16)
         dy = torch.randn(args.tokens, n, device=device, dtype=torch.bfloat16)
         col = torch.rand(n, device=device) + 0.5
-        quant = _time(lambda: (quantize_rows_triton(x), quantize_rows_triton(dy, col_scale=col)))
-        eager = _time(lambda: (quantize_rows_reference(x), quantize_rows_reference(dy, col_scale=col)))
+        quant = median_ms(lambda: (quantize_rows_triton(x), quantize_rows_triton(dy, col_scale=col)))
+        eager = median_ms(lambda: (quantize_rows_reference(x), quantize_rows_reference(dy, col_scale=col)))
         kernel_vs_reference = {
             "x_scale_equal": bool(torch.equal(quantize_rows_triton(x)[1], quantize_rows_reference(x)[1])),
             "x_values_differing": float((quantize_rows_triton(x)[0].float() != quantize_rows_reference(x)[0].float())
