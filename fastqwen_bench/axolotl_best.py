@@ -156,8 +156,9 @@ def _bound(module, key: str):
 
 @contextlib.contextmanager
 def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *, loss: str,
-                 gc: bool, assume_cuda: bool = False) -> Iterator[dict]:
+                 gc: bool, assume_cuda: bool = False, overrides: dict | None = None) -> Iterator[dict]:
     """Install the path on `model` (the peft model); yields the record's info; undoes all on exit.
+    `overrides`: config keys set otherwise than in the best configuration (a variant of it).
 
     `assume_cuda` (tests only): take the CUDA branches on a CPU model, to check that their set-up
     applies and is undone; such a model cannot run a forward (the kernels are Triton)."""
@@ -175,6 +176,7 @@ def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *
         if "axolotl.utils.dict" not in mods:
             raise PathSkipped(f"Axolotl does not import here: {errors.get('axolotl.utils.dict')}")
         cfg = best_config(family, loss, gc=gc, base_model=checkpoint, moe=moe)
+        cfg.update(overrides or {})
         info["axolotl_config"] = {k: v for k, v in cfg.items() if k != "base_model"}
         info["axolotl_config"]["base_model"] = f"(a folder with the {registry.family(family).composite_config or 'text'} config)"
         if stood_in:
@@ -257,6 +259,9 @@ class _Setup:
     def self_attn_lora(self) -> None:
         c = self.component("lora_qkv_kernel, lora_o_kernel (attention forward)",
                            "axolotl.monkeypatch.lora_kernels.patch_self_attn_lora(cfg)")
+        if not (self.cfg.lora_qkv_kernel or self.cfg.lora_o_kernel):  # PatchManager's own condition
+            c.not_applicable("lora_qkv_kernel and lora_o_kernel are off")
+            return
 
         def act(c):
             before = snapshot_module(self.modeling)
@@ -532,6 +537,10 @@ class _Setup:
         fn = "axolotl.monkeypatch.lora_kernels.apply_lora_kernel_patches(model, cfg)"
         comps = {k: self.component(f"{k} (per-module kernels)", fn)
                  for k in ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel")}
+        if not any(self.cfg[k] for k in comps):  # PatchManager._apply_lora_kernel_patch's condition
+            for c in comps.values():
+                c.not_applicable("off in this configuration")
+            return
         cfg = type(self.cfg)(dict(self.cfg))
         if not self.cuda:
             cfg["lora_mlp_kernel"] = False

@@ -68,7 +68,14 @@ PATHS: dict[str, PathSpec] = {
         PathSpec(
             "axolotl-best+fp8", "multipack",
             "axolotl-best with Axolotl's `fp8: true` (torchao Float8Linear, tensorwise, through accelerate's "
-            "convert_model_to_fp8_ao as Axolotl's Trainer applies it; eager, torch_compile off as in axolotl-best)",
+            "convert_model_to_fp8_ao as Axolotl's Trainer applies it; eager, torch_compile off as in axolotl-best). "
+            "Axolotl's lora_*_kernel read base_layer.weight themselves, so no Float8Linear forward runs (H100: the "
+            "kernels and the loss of axolotl-best to the unit); see axolotl-best+fp8-no-lora-kernels",
+        ),
+        PathSpec(
+            "axolotl-best+fp8-no-lora-kernels", "multipack",
+            "axolotl-best+fp8 with lora_mlp_kernel, lora_qkv_kernel and lora_o_kernel off, so that torchao's "
+            "Float8Linear runs every projection: Axolotl's FP8 as a user gets it",
         ),
         PathSpec(
             "axolotl-best+fastqwen", "packed",
@@ -137,6 +144,7 @@ LETTERS = {
     "o": "axolotl-best+fastqwen+ckpt-auto+lean", "p": "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
     "q": "fastqwen+ckpt-auto+torch-norms", "r": "fastqwen+ckpt-auto+lean+fp8", "s": "fastqwen+ckpt-auto+lean",
     "t": "axolotl-best+fp8", "u": "fastqwen+ckpt-auto+lean+fp8-forward",
+    "v": "axolotl-best+fp8-no-lora-kernels",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
@@ -144,7 +152,7 @@ EXECUTION_ORDER = (
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
     "axolotl-packing",
-    "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8",
+    "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
 )
@@ -172,7 +180,9 @@ FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward")
 FP8_BF16_INPUT_GRADIENT = ("fastqwen+ckpt-auto+lean+fp8-forward",)
 # paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the
 # exact paths' agreement tolerance
-QUANTIZED = (*FP8, "axolotl-best+fp8")
+QUANTIZED = (*FP8, "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels")
+# Axolotl's LoRA kernels: torchao's Float8Linear runs only where they are off
+NO_LORA_KERNELS = {"lora_mlp_kernel": False, "lora_qkv_kernel": False, "lora_o_kernel": False}
 
 STOCK_GLOBALS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
 
@@ -219,8 +229,9 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             info["notes"].append(f"experts_implementation {EXPERTS_PATHS[name]!r} ({how})")
             yield info
         return
-    if name == "axolotl-best+fp8":
-        with axolotl_best(model, family, device, dtype, loss="liger", gc=gc) as best, \
+    if name in ("axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels"):
+        overrides = NO_LORA_KERNELS if name == "axolotl-best+fp8-no-lora-kernels" else None
+        with axolotl_best(model, family, device, dtype, loss="liger", gc=gc, overrides=overrides) as best, \
                 axolotl_fp8(model, device) as fp8:
             info["notes"] += best["notes"] + [fp8["note"], fla_gdn_dispatch()]
             info["axolotl_components"] = best["components"]

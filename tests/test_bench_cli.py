@@ -71,7 +71,8 @@ def test_bench_writes_complete_json(bench):
     assert result["schema"] == "fastqwen_bench/1" and result["partial"] is False
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
-        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fastqwen",
+        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8",
+        "axolotl-best+fp8-no-lora-kernels", "axolotl-best+fastqwen",
         "fastqwen+ckpt-auto",
         "fastqwen+ckpt-auto+torch-norms", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
@@ -100,6 +101,13 @@ def test_bench_writes_complete_json(bench):
         assert fp8["status"] == "ok", fp8.get("error")
         assert fp8["axolotl_fp8"]["converted"] > fp8["axolotl_fp8"]["lora_matrices_converted"] > 0
         assert fp8["axolotl_config"]["fp8"] is True
+        plain = _path(result, "axolotl-best+fp8-no-lora-kernels")
+        assert plain["status"] == "ok", plain.get("error")
+        assert plain["axolotl_config"]["fp8"] is True and plain["axolotl_fp8"]["converted"] > 0
+        assert not any(plain["axolotl_config"][k] for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel"))
+        assert fp8["axolotl_config"]["lora_mlp_kernel"] is True
+        status = {c["key"]: c["status"] for c in plain["axolotl_components"]}
+        assert all(v == "not applicable" for k, v in status.items() if k.startswith("lora_")), status
     md = (out / "bench.md").read_text()
     assert "| path | layout | status | tokens/s" in md and "| fastqwen | packed | ok |" in md
 
@@ -113,6 +121,7 @@ def test_fastqwen_loss_matches_stock_on_the_calibration_row(bench):
     assert result["calibration"]["agree"] is True
     if "axolotl-best+fp8" in result["calibration"]["paths"]:  # FP8 rounds: reported, outside the agreement
         assert 1e-6 < result["calibration"]["fp8_rel_diff"]["axolotl-best+fp8"] < 2e-2
+        assert 1e-6 < result["calibration"]["fp8_rel_diff"]["axolotl-best+fp8-no-lora-kernels"] < 2e-2
 
 
 def test_launch_counts_are_cpu_ops_on_cpu(bench):
@@ -280,8 +289,9 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
                                       "axolotl-best-cce"]
-    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-9:] == (
-        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fastqwen",
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-10:] == (
+        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
+        "axolotl-best+fastqwen",
         "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
     )  # Axolotl's patches last
