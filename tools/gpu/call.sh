@@ -25,10 +25,10 @@ for stage in ${STAGES:-tests}; do
         --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" --out "$RES/l64" > "$RES/l64.log" 2>&1
       tail -30 "$RES/l64.log" ;;
     bench64:*) # a variant of bench64: `bench64:<tag>` runs ARGS_<tag> (extra bench arguments, e.g.
-               # "--paths l --allocator default") into $RES/l64_<tag>
-      tag="${stage#bench64:}"; eval "extra=\${ARGS_${tag}:-}"
-      timeout "${BENCH_S:-330}" python3 -m fastqwen_bench bench --model qwen3.5-27b --gc --steps 3 --warmup 1 \
-        --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( ${BENCH_S:-330} - 40 ))" $extra \
+               # "--paths l --allocator default") into $RES/l64_<tag>, within BENCH_S_<tag> (else BENCH_S) seconds
+      tag="${stage#bench64:}"; eval "extra=\${ARGS_${tag}:-}"; eval "limit=\${BENCH_S_${tag}:-${BENCH_S:-330}}"
+      timeout "$limit" python3 -m fastqwen_bench bench --model qwen3.5-27b --gc --steps 3 --warmup 1 \
+        --max-path-seconds "${PATH_S:-110}" --max-total-seconds "$(( limit - 40 ))" $extra \
         --out "$RES/l64_$tag" > "$RES/l64_$tag.log" 2>&1
       tail -12 "$RES/l64_$tag.log" ;;
     moe40)   # issue 13: Qwen3.5-35B-A3B at full depth
