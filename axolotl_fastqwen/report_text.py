@@ -57,12 +57,19 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+# how the report names each `fp8_input_gradient` (ops/fp8_linear.INPUT_GRADIENTS)
+INPUT_GRADIENT_TEXT = {"fp8": "output gradients per token", "fp8-1x128": "output gradients per 1x128 block",
+                       "bf16": "input gradients in bf16 on the dequantized weights"}
+
+
 def _fp8_lines(fp8: dict | None) -> list[str]:
     """fastqwen_fp8: each frozen projection's decision, and the memory it moved."""
     if not fp8:
         return []
     gib = 1024 ** 3
-    lines = [f"  fp8 frozen GEMMs: {fp8['modules_fp8']} projections in FP8 (e4m3, row-wise scales); GPU weights {fp8['bf16_bytes_freed'] / gib:.2f} GiB bf16 -> "
+    dy = INPUT_GRADIENT_TEXT.get(fp8.get("input_gradient"), fp8.get("input_gradient"))
+    lines = [f"  fp8 frozen GEMMs: {fp8['modules_fp8']} projections in FP8 (e4m3; weights per output channel, "
+             f"inputs per token, {dy}); GPU weights {fp8['bf16_bytes_freed'] / gib:.2f} GiB bf16 -> "
              f"{fp8['fp8_bytes'] / gib:.2f} GiB FP8, bf16 copy on host ({fp8['host_bytes'] / gib:.2f} GiB) for "
              "unpatch_model"]
     for role, row in fp8["projections"].items():

@@ -301,3 +301,10 @@ def test_fp8_trains_through_axolotl_with_the_losses_of_bf16_and_saves_a_plain_ad
     adapter = load_file(str(fp8 / "out" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in key for key in adapter), sorted(adapter)[:5]
     assert {str(t.dtype) for t in adapter.values()} == {"torch.float32"}  # the adapters' own dtype here, no e4m3
+    # fastqwen_fp8_input_gradient reaches the patch through Axolotl: FP8 in the forward only
+    forward_only = tmp_path / "forward_only"
+    forward_only.mkdir()
+    log = train(config(forward_only, plugins=plugins, fastqwen_fp8=True, fastqwen_fp8_input_gradient="bf16"), **env)
+    assert report(forward_only)["kernels"]["fp8"]["input_gradient"] == "bf16" and got["input_gradient"] == "fp8"
+    assert "input gradients in bf16 on the dequantized weights" in log
+    assert all(abs(a - b) <= 0.02 * b for a, b in zip(train_losses(log), reference))

@@ -382,3 +382,25 @@ def test_the_triton_kernels_index_mask_and_scale_like_their_references_in_the_in
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_block_scaled_input_gradients_take_the_shapes_they_fit_and_the_report_names_the_mode(small_projections):
+    """`fp8_input_gradient="fp8-1x128"` on the toy LoRA model: a weight whose output channels are not a
+    multiple of 128 cannot have 1x128 blocks of `dy`, so its self-check raises and it stays bf16 with the
+    reason; the others run FP8 and the model trains; the report says how the input gradients run."""
+    model = lora_model("qwen3_5", gc=False)
+    batch = packed_batch(sequences(512, [40, 31, 57]))
+    report = patch_model(model, fused_cross_entropy=False, fp8=True, fp8_tokens=256, fp8_input_gradient="fp8-1x128",
+                         log=False)
+    fp8 = report.to_dict()["fp8"]
+    assert fp8["input_gradient"] == "fp8-1x128" and "output gradients per 1x128 block" in report.format()
+    rows = fp8["projections"].values()
+    assert all(r["fp8"] == (r["shape"][0] % 128 == 0) for r in rows), fp8["projections"]
+    assert any(r["fp8"] for r in rows) and any(not r["fp8"] for r in rows)
+    assert all("multiple of 128" in r["why"] for r in rows if not r["fp8"])
+    loss, grads = loss_and_lora_grads(model, batch)
+    assert torch.isfinite(loss) and all(g.abs().sum() > 0 for g in grads.values())
+    unpatch_model(model)
+    report = patch_model(model, fused_cross_entropy=False, fp8=True, fp8_tokens=256, fp8_input_gradient="bf16",
+                         log=False)
+    assert "input gradients in bf16 on the dequantized weights" in report.format()

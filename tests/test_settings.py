@@ -292,3 +292,15 @@ def test_fp8_where_it_cannot_run_is_refused_at_config_load_with_the_reason(env, 
     text = str(err.value)
     assert text.startswith("axolotl_fastqwen cannot train this config: `fastqwen_fp8: true`")
     assert named in text and "fastqwen_fp8: false" in text and "trains in bf16 exactly as without it" in text
+
+
+def test_fp8_input_gradient_reaches_the_settings_and_is_refused_without_fp8():
+    assert settle(HOPPER, **LORA, fastqwen_fp8=True)[0].fp8_input_gradient == "fp8"
+    settings, _ = settle(HOPPER, **LORA, fastqwen_fp8=True, fastqwen_fp8_input_gradient="bf16")
+    assert settings.fp8 and settings.fp8_input_gradient == "bf16"
+    with pytest.raises(ConfigError) as err:
+        settle(HOPPER, **LORA, fastqwen_fp8_input_gradient="fp8-1x128")
+    text = str(err.value)
+    assert "`fastqwen_fp8_input_gradient: fp8-1x128`" in text and "fastqwen_fp8: true" in text
+    with pytest.raises(Exception, match="fastqwen_fp8_input_gradient"):  # pydantic: not one of the three
+        settle(HOPPER, **LORA, fastqwen_fp8=True, fastqwen_fp8_input_gradient="fp16")

@@ -60,3 +60,9 @@ class FastQwenArgs(BaseModel):
         "timed on the GPU at load and stays bf16 where FP8 does not win (the load report lists each). Needs a "
         "Hopper GPU (sm_90+), an adapter (lora), one process; refuses load_in_4bit / load_in_8bit, fsdp, "
         "deepspeed and torch_compile. Turns Axolotl's lora_*_kernel off (they read the bf16 weight)."))
+    fastqwen_fp8_input_gradient: Literal["fp8", "fp8-1x128", "bf16"] = Field(default="fp8", json_schema_extra=_about(
+        "With fastqwen_fp8: how the input gradients dy·W of the FP8 projections run. fp8: on FP8 GEMMs, dy "
+        "quantized per token (the fastest); fp8-1x128: dy quantized per 1x128 block (DeepSeek-V3's tiles: an "
+        "outlier channel costs only its block; slower GEMMs); bf16: in bf16 on the dequantized weights (FP8 in the "
+        "forward only: no rounding of dy, FP8's memory kept, less of its speed). The README's FP8 section has the "
+        "measured speed and loss of each."))

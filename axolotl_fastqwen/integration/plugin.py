@@ -103,6 +103,7 @@ class FastQwenPlugin(BasePlugin):
             lean_activations=settings.lean_activations,
             fp8=settings.fp8,
             fp8_tokens=settings.token_budget,
+            fp8_input_gradient=settings.fp8_input_gradient,
             log=False,
         )
         if settings.loss_owner:

@@ -131,6 +131,7 @@ class Settings:
     checkpointing_memory: float
     lean_activations: bool
     fp8: bool  # fastqwen_fp8: the frozen projections on FP8 GEMMs
+    fp8_input_gradient: str  # fastqwen_fp8_input_gradient: how their input gradients run
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -329,6 +330,11 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         notes.append(lean_note)
 
     fp8 = _fp8(cfg, args.fastqwen_fp8, env, patch_layers, decisions, edits)
+    if args.fastqwen_fp8_input_gradient != "fp8" and not fp8:
+        raise ConfigError(f"`fastqwen_fp8_input_gradient: {args.fastqwen_fp8_input_gradient}`",
+                          "it says how the FP8 projections' input gradients run, and fastqwen_fp8 is off.",
+                          instead="Set fastqwen_fp8: true, or remove fastqwen_fp8_input_gradient.",
+                          paste=["fastqwen_fp8: true"])
     fused_ce = args.fastqwen_fused_ce
     options = tuple(key for key in AXOLOTL_OPTIONS if _on(cfg.get(key)) and edits.get(key) is not False)
     loss_owner = None if fused_ce else next((k for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
@@ -341,6 +347,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         kernel_preference=args.fastqwen_kernel_preference or None, fused_ce=fused_ce, loss_owner=loss_owner,
         axolotl_options=options, patch_layers=patch_layers, checkpointing=checkpointing,
         checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean, fp8=fp8,
+        fp8_input_gradient=args.fastqwen_fp8_input_gradient,
         model_source=cfg.get("base_model_config") or cfg.get("base_model"),
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
         output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))
