@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     w = setup.workload
     result = {
         "schema": SCHEMA,
-        "command": ["python", "-m", "axolotl_fastqwen", "bench", *(argv if argv is not None else sys.argv[1:])],
+        "command": ["python", "-m", "fastqwen_bench", "bench", *(argv if argv is not None else sys.argv[1:])],
         "args": vars(args),
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": str(setup.device),
