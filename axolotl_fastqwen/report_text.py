@@ -35,6 +35,11 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
             lines.append(f"  {'':<22} {str(kind['implementation']):<16} {kind['modules']} x {kind['class']}, run by "
                          f"{kind['runner']}")
     lines += _fp8_lines(d.get("fp8"))
+    chunks = d.get("mlp_chunks")
+    if chunks is not None:
+        lines.append(f"  mlp chunks: {chunks['mlps']} dense MLPs run rows of more than {chunks['chunk_tokens']} tokens "
+                     f"in chunks of that many, each recomputed in backward ({chunks['chunked_forwards']} chunked "
+                     "forwards so far)")
     for note in d["notes"]:
         lines.append(f"  note: {note}")
     if d["boundary_sources"]:

@@ -121,6 +121,11 @@ PATHS: dict[str, PathSpec] = {
             "each shape self-checked and timed at load)",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+mlp-chunks", "packed",
+            "fastqwen+ckpt-auto+lean with fastqwen_mlp_chunk_tokens: 8192 (rows longer than that run each dense MLP in "
+            "8,192-token chunks, each recomputed in backward; long rows only)",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+fp8-forward", "packed",
             "fastqwen+ckpt-auto+lean+fp8 with the input gradient in bf16 on the dequantized weights "
             "(patch_model(fp8_input_gradient='bf16')): FP8's forward GEMMs and its memory, no quantized dy",
@@ -144,14 +149,14 @@ LETTERS = {
     "o": "axolotl-best+fastqwen+ckpt-auto+lean", "p": "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
     "q": "fastqwen+ckpt-auto+torch-norms", "r": "fastqwen+ckpt-auto+lean+fp8", "s": "fastqwen+ckpt-auto+lean",
     "t": "axolotl-best+fp8", "u": "fastqwen+ckpt-auto+lean+fp8-forward",
-    "v": "axolotl-best+fp8-no-lora-kernels",
+    "v": "axolotl-best+fp8-no-lora-kernels", "w": "fastqwen+ckpt-auto+lean+mlp-chunks",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-    "axolotl-packing",
+    "fastqwen+ckpt-auto+lean+mlp-chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
@@ -163,6 +168,7 @@ EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm
 CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torch-norms": "fastqwen",
                       "fastqwen+ckpt-auto+lean": "fastqwen", "fastqwen+ckpt-auto+lean+fp8": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+lean": "axolotl-best+fastqwen",
@@ -173,9 +179,12 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
                      "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": {"gated_delta_rule": "flash-qla"}}
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
-                    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward")
+                    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
+                    "fastqwen+ckpt-auto+lean+mlp-chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
 FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward")
+# paths with fastqwen_mlp_chunk_tokens, and its value
+MLP_CHUNKS = {"fastqwen+ckpt-auto+lean+mlp-chunks": 8192}
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
 FP8_BF16_INPUT_GRADIENT = ("fastqwen+ckpt-auto+lean+fp8-forward",)
 # paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the
@@ -217,6 +226,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     lean = name in LEAN_ACTIVATIONS
     fp8 = budget if name in FP8 else None
     input_gradient = "bf16" if name in FP8_BF16_INPUT_GRADIENT else "fp8"
+    mlp_chunk_tokens = MLP_CHUNKS.get(name)
     if name in CHECKPOINTING_AUTO:
         if not gc:
             raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
@@ -290,7 +300,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
-            with _plugin(model, device, info, prefer, lean, fp8, input_gradient):
+            with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens):
                 yield info
         finally:
             undo.restore()
@@ -322,12 +332,14 @@ def fla_gdn_dispatch() -> str:
 
 @contextlib.contextmanager
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
-            lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8") -> Iterator[None]:
+            lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
+            mlp_chunk_tokens: int | None = None) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
     report = patch_model(model, prefer=prefer, lean_activations=lean, fp8=bool(fp8_tokens),
-                         fp8_tokens=fp8_tokens or 8192, fp8_input_gradient=fp8_input_gradient)
+                         fp8_tokens=fp8_tokens or 8192, fp8_input_gradient=fp8_input_gradient,
+                         mlp_chunk_tokens=mlp_chunk_tokens)
     info["patch_report"] = report
     try:
         if device.type == "cuda":

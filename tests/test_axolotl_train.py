@@ -263,6 +263,23 @@ def test_lean_activations_train_with_the_losses_of_a_run_without_them(tmp_path):
     assert "lean activations: on; no layer that keeps its activations has run a training forward yet" in log
 
 
+def test_mlp_chunks_train_with_the_losses_of_a_run_without_them(tmp_path):
+    """`fastqwen_mlp_chunk_tokens: 256` through Axolotl on 1,024-token rows: every dense MLP in four
+    chunks, each recomputed in backward; the per-step losses of the run without it (the MLP is per
+    token: test_mlp_chunks.py holds the gradients to 1e-6), and the report counts the chunked forwards."""
+    plain, chunked = tmp_path / "plain", tmp_path / "chunked"
+    plain.mkdir(), chunked.mkdir()
+    reference = train_losses(train(config(plain)))
+    log = train(config(chunked, fastqwen_mlp_chunk_tokens=256))
+    losses = train_losses(log)
+    assert len(losses) == len(reference) == 3
+    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(losses, reference)), (losses, reference)
+    chunks = report(chunked)["kernels"]["mlp_chunks"]
+    assert chunks["mlps"] == 4 and chunks["chunk_tokens"] == 256 and chunks["chunked_forwards"] >= 4 * 3
+    assert "mlp chunks: 4 dense MLPs run rows of more than 256 tokens" in log
+    assert report(plain)["kernels"]["mlp_chunks"] is None
+
+
 def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused_at_config_load(tmp_path):
     """`fastqwen_fp8: true` on this CPU machine: the key, why, and the line to paste, before any
     dataset or model work (on a Hopper GPU the same YAML trains: tests/test_gpu_kernels.py)."""

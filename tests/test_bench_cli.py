@@ -76,11 +76,12 @@ def test_bench_writes_complete_json(bench):
         "fastqwen+ckpt-auto",
         "fastqwen+ckpt-auto+torch-norms", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
-        "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-        "stock-moe-eager", "stock-moe-grouped-mm",
+        "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+mlp-chunks",
+        "fastqwen+ckpt-auto+lean+fp8-forward", "stock-moe-eager", "stock-moe-grouped-mm",
     ]
     for name in ("axolotl-best+fastqwen+ckpt-auto+flash-qla", "axolotl-best+fastqwen+ckpt-auto+lean",
-                 "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward"):
+                 "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
+                 "fastqwen+ckpt-auto+lean+mlp-chunks"):
         assert _path(result, name)["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
@@ -352,9 +353,12 @@ def test_budget_shares_and_reference_ratios():
 def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_on_cpu(tmp_path):
     """Path m is path e under fastqwen_checkpointing: auto. A CPU has no peak-memory counters, so
     the fitter recomputes every layer and says why; the losses are path e's (same weights, same rows)."""
-    rc = bench_cli(["bench", *TINY, "--paths", "e,m", "--gc", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    rc = bench_cli(["bench", *TINY, "--paths", "e,m,w", "--gc", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "bench.json").read_text())
     e, m = _path(result, "fastqwen"), _path(result, "fastqwen+ckpt-auto")
+    w = _path(result, "fastqwen+ckpt-auto+lean+mlp-chunks")  # path m with lean activations and MLP chunks
+    assert w["status"] == "ok" and w["patch_report"]["mlp_chunks"]["chunk_tokens"] == 8192
+    assert w["calibration_loss"] == m["calibration_loss"]  # 256-token rows: within one chunk
     assert rc == 0 and e["status"] == m["status"] == "ok"
     assert m["checkpointing"]["phase"] == "off" and "no CUDA device" in m["checkpointing"]["summary"]
     assert m["calibration_loss"] == e["calibration_loss"]

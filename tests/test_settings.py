@@ -304,3 +304,10 @@ def test_fp8_input_gradient_reaches_the_settings_and_is_refused_without_fp8():
     assert "`fastqwen_fp8_input_gradient: fp8-1x128`" in text and "fastqwen_fp8: true" in text
     with pytest.raises(Exception, match="fastqwen_fp8_input_gradient"):  # pydantic: not one of the three
         settle(HOPPER, **LORA, fastqwen_fp8=True, fastqwen_fp8_input_gradient="fp16")
+
+
+def test_mlp_chunk_tokens_reaches_the_settings_and_must_be_positive():
+    assert settle()[0].mlp_chunk_tokens is None
+    assert settle(fastqwen_mlp_chunk_tokens=8192)[0].mlp_chunk_tokens == 8192
+    with pytest.raises(Exception, match="fastqwen_mlp_chunk_tokens"):
+        settle(fastqwen_mlp_chunk_tokens=0)

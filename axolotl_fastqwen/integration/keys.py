@@ -60,6 +60,12 @@ class FastQwenArgs(BaseModel):
         "timed on the GPU at load and stays bf16 where FP8 does not win (the load report lists each). Needs a "
         "Hopper GPU (sm_90+), an adapter (lora), one process; refuses load_in_4bit / load_in_8bit, fsdp, "
         "deepspeed and torch_compile. Turns Axolotl's lora_*_kernel off (they read the bf16 weight)."))
+    fastqwen_mlp_chunk_tokens: int | None = Field(default=None, gt=0, json_schema_extra=_about(
+        "Long rows: a dense model's MLPs run rows of more than this many tokens in chunks of this many, each chunk "
+        "recomputed in backward, so that no layer holds the MLP's intermediates (three [tokens, "
+        "intermediate_size] tensors: more than half of a kept layer's activations at the 27B shape) and a recomputed "
+        "layer never has more than a chunk's alive; the same result, for one more MLP forward per kept layer. "
+        "Unset: off. MoE models have no dense MLP (the report says so). Not yet measured on a GPU."))
     fastqwen_fp8_input_gradient: Literal["fp8", "fp8-1x128", "bf16"] = Field(default="fp8", json_schema_extra=_about(
         "With fastqwen_fp8: how the input gradients dy·W of the FP8 projections run. fp8: on FP8 GEMMs, dy "
         "quantized per token (the fastest); fp8-1x128: dy quantized per 1x128 block (DeepSeek-V3's tiles: an "

@@ -104,6 +104,7 @@ class FastQwenPlugin(BasePlugin):
             fp8=settings.fp8,
             fp8_tokens=settings.token_budget,
             fp8_input_gradient=settings.fp8_input_gradient,
+            mlp_chunk_tokens=settings.mlp_chunk_tokens,
             log=False,
         )
         if settings.loss_owner:

@@ -132,6 +132,7 @@ class Settings:
     lean_activations: bool
     fp8: bool  # fastqwen_fp8: the frozen projections on FP8 GEMMs
     fp8_input_gradient: str  # fastqwen_fp8_input_gradient: how their input gradients run
+    mlp_chunk_tokens: int | None  # fastqwen_mlp_chunk_tokens: dense MLPs over token chunks at long rows
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -347,7 +348,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         kernel_preference=args.fastqwen_kernel_preference or None, fused_ce=fused_ce, loss_owner=loss_owner,
         axolotl_options=options, patch_layers=patch_layers, checkpointing=checkpointing,
         checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean, fp8=fp8,
-        fp8_input_gradient=args.fastqwen_fp8_input_gradient,
+        fp8_input_gradient=args.fastqwen_fp8_input_gradient, mlp_chunk_tokens=args.fastqwen_mlp_chunk_tokens,
         model_source=cfg.get("base_model_config") or cfg.get("base_model"),
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
         output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))

@@ -26,6 +26,7 @@ from .decoder_hook import DecoderPreHook
 from ..devices import model_device
 from .expert_lora import ExpertAdapters
 from .fp8_weights import Fp8Weights
+from .mlp_chunks import MlpChunks
 from ..layers.experts_implementation import describe_experts, experts_implementation, experts_modules, set_experts_implementation
 from ..families.base import FamilyPlan, detect_family, unwrap
 from .forward_context import ForwardContext
@@ -87,6 +88,7 @@ class PatchReport:
     lean: LeanActivations | None = field(default=None, repr=False)  # fastqwen_lean_activations, when on
     rms_norms: int = 0  # transformers RMSNorm modules of the decoder run by the rms_norm op
     fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
+    mlp_chunks: MlpChunks | None = field(default=None, repr=False)  # fastqwen_mlp_chunk_tokens, when set
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -127,6 +129,7 @@ class PatchReport:
             "batch_shapes": {k: sorted(list(s) for s in v) for k, v in self.batch_shapes.items()},
             "lean_activations": self.lean.to_dict() if self.lean is not None else None,
             "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
+            "mlp_chunks": self.mlp_chunks.to_dict() if self.mlp_chunks is not None else None,
             "versions": self.versions,
         }
 
@@ -155,6 +158,7 @@ def patch_model(
     fp8_tokens: int = 8192,
     fp8_keep_transposed: bool = False,
     fp8_input_gradient: str = "fp8",
+    mlp_chunk_tokens: int | None = None,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -175,6 +179,9 @@ def patch_model(
         kept layers. `fp8_input_gradient` says how the input gradients `dy·W` run: "fp8" (dy quantized
         per token), "fp8-1x128" (per 1x128 block, DeepSeek-V3's tiles) or "bf16" on the dequantized
         weights (FP8 forward only).
+    mlp_chunk_tokens: rows of more tokens run each dense MLP in chunks of this many tokens, each
+        recomputed in backward (`patching/mlp_chunks.py`): the same result without holding the MLP's
+        intermediates, for one more MLP forward per kept layer. None: off. MoE models have no dense MLP.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -215,6 +222,12 @@ def patch_model(
         decoders = [m for m in base.modules() if type(m) in plan.decoder]
         report.fp8 = Fp8Weights.install(decoders, tokens=fp8_tokens, keep_transposed=fp8_keep_transposed,
                                         input_gradient=fp8_input_gradient)
+    if mlp_chunk_tokens is not None and plan.family.moe:
+        kernels.notes.append(f"mlp chunks: not applied: {plan.name} routes tokens to experts and has no dense MLP "
+                             "(a sparse block's router outputs are recorded per call for the auxiliary loss)")
+    elif mlp_chunk_tokens is not None:
+        layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
+        report.mlp_chunks = MlpChunks.install(layers, mlp_chunk_tokens)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context, "expert_adapters": expert_adapters,
                                  "experts_before": experts_before}
@@ -260,6 +273,8 @@ def unpatch_model(model: nn.Module) -> None:
         state["report"].lean.restore()
     if state["report"].fp8 is not None:
         state["report"].fp8.restore()
+    if state["report"].mlp_chunks is not None:
+        state["report"].mlp_chunks.restore()
     if state["experts_before"] is not None and experts_implementation(experts_modules(base)[0]) == grouped_experts.GROUPED:
         set_experts_implementation(base, state["experts_before"])
     for module in state["modules"]:
