@@ -82,18 +82,26 @@ def _kernel():
     return quantize_rows_kernel
 
 
+def _kernel_operands(x: torch.Tensor, col_scale: torch.Tensor | None, rows_out: int, scale: torch.Tensor):
+    """What both kernels take besides the scales they fill: `x` with unit column stride, the e4m3
+    output (rows past `x`'s are zero, their `scale` rows 1), and the column factor (`scale` stands in
+    when there is none: the kernel does not read it then)."""
+    rows, cols = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(rows_out, cols, dtype=E4M3, device=x.device)
+    if rows_out > rows:
+        q[rows:].zero_()
+        scale[rows:].fill_(1.0)
+    return x, q, col_scale.float().contiguous() if col_scale is not None else scale
+
+
 def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None):
     """The Triton kernel (CUDA): same contract as `quantize_rows_reference`."""
     rows, cols = x.shape
     rows_out = rows_out or aligned(rows)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    q = torch.empty(rows_out, cols, dtype=E4M3, device=x.device)
     scale = torch.empty(rows_out, 1, dtype=torch.float32, device=x.device)
-    if rows_out > rows:
-        q[rows:].zero_()
-        scale[rows:].fill_(1.0)
-    c = col_scale.float().contiguous() if col_scale is not None else scale  # unread when HAS_C is off
+    x, q, c = _kernel_operands(x, col_scale, rows_out, scale)
     if rows:
         _kernel()[(rows,)](x, c, q, scale, cols, x.stride(0), q.stride(0), HAS_C=col_scale is not None,
                            BLOCK=min(4096, max(256, 1 << (cols - 1).bit_length())), FP8_MAX=E4M3_MAX,
@@ -170,14 +178,8 @@ def quantize_blocks_triton(x: torch.Tensor, col_scale: torch.Tensor | None = Non
     if cols % BLOCK:
         raise ValueError(f"1x{BLOCK} block scales need the columns to be a multiple of {BLOCK}, not {cols}")
     rows_out = rows_out or aligned(rows)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    q = torch.empty(rows_out, cols, dtype=E4M3, device=x.device)
     scale = _block_scale_layout(rows_out, cols // BLOCK, x.device)
-    if rows_out > rows:
-        q[rows:].zero_()
-        scale[rows:].fill_(1.0)
-    c = col_scale.float().contiguous() if col_scale is not None else scale  # unread when HAS_C is off
+    x, q, c = _kernel_operands(x, col_scale, rows_out, scale)
     if rows:
         _block_kernel()[(rows,)](x, c, q, scale, cols, rows_out, x.stride(0), q.stride(0),
                                  HAS_C=col_scale is not None, GROUP=8, BLOCK_K=BLOCK, FP8_MAX=E4M3_MAX,
