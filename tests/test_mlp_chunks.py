@@ -113,3 +113,23 @@ def test_moe_models_have_no_dense_mlp_to_chunk_and_the_report_says_so():
     report = patch_model(model, fused_cross_entropy=False, mlp_chunk_tokens=64, log=False)
     assert report.mlp_chunks is None
     assert any(n.startswith("mlp chunks: not applied: qwen3_5_moe routes tokens to experts") for n in report.kernels.notes)
+
+
+def test_chunks_compose_with_fp8_whose_per_token_scales_they_do_not_change(monkeypatch):
+    """With `fastqwen_fp8` the MLP's projections quantize their inputs and output gradients per token,
+    so a chunk quantizes each token exactly as the whole row does: the run with chunks gives the FP8
+    run's loss and gradients (1e-6, as above), through the recompute too."""
+    from axolotl_fastqwen.patching import fp8_weights
+
+    monkeypatch.setattr(fp8_weights, "MIN_FEATURES", 64)  # the toy's projections count as large enough
+    model = lora_model("qwen3_5", gc=False)
+    batch = packed_batch(sequences(model.config.vocab_size, LENGTHS))
+    results = []
+    for chunk in (None, 64):
+        report = patch_model(model, fused_cross_entropy=False, fp8=True, fp8_tokens=256, mlp_chunk_tokens=chunk,
+                             log=False)
+        assert report.to_dict()["fp8"]["modules_fp8"] > 0
+        results.append(loss_and_grads(model, batch))
+        unpatch_model(model)
+    (l0, g0), (l1, g1) = results
+    assert rel(l1, l0) <= TOL and all(rel(g1[n], g0[n]) <= TOL for n in g0)
