@@ -308,6 +308,10 @@ def test_fp8_input_gradient_reaches_the_settings_and_is_refused_without_fp8():
 
 def test_mlp_chunk_tokens_reaches_the_settings_and_must_be_positive():
     assert settle()[0].mlp_chunk_tokens is None
-    assert settle(fastqwen_mlp_chunk_tokens=8192)[0].mlp_chunk_tokens == 8192
+    settings = settle(fastqwen_mlp_chunk_tokens=8192)[0]
+    assert settings.mlp_chunk_tokens == 8192
+    assert any(n.startswith("fastqwen_mlp_chunk_tokens: 8192 is at least the 4096 tokens a micro-batch holds")
+               for n in settings.notes), settings.notes  # 2 x 2048-token rows: nothing would run in chunks
+    assert not any("mlp_chunk" in n for n in settle(fastqwen_mlp_chunk_tokens=1024)[0].notes)
     with pytest.raises(Exception, match="fastqwen_mlp_chunk_tokens"):
         settle(fastqwen_mlp_chunk_tokens=0)

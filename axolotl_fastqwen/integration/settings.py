@@ -331,6 +331,10 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         notes.append(lean_note)
 
     fp8 = _fp8(cfg, args.fastqwen_fp8, env, patch_layers, decisions, edits)
+    chunk, most = args.fastqwen_mlp_chunk_tokens, max(budget, sequence_len * micro_batch_size)
+    if chunk is not None and chunk >= most:
+        notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "
+                     f"MLP runs in chunks (set it below that, e.g. {max(64, most // 4)}, to use it)")
     if args.fastqwen_fp8_input_gradient != "fp8" and not fp8:
         raise ConfigError(f"`fastqwen_fp8_input_gradient: {args.fastqwen_fp8_input_gradient}`",
                           "it says how the FP8 projections' input gradients run, and fastqwen_fp8 is off.",
