@@ -26,10 +26,11 @@ from torch import nn
 from ..kernel_choice.fp8_decision import ShapeDecision, decide
 from ..ops.fp8_linear import INPUT_GRADIENTS, MIN_CAPABILITY, Fp8Weight, InputCache, fp8_linear
 from ..ops.fp8_quantize import ALIGN, E4M3
-from .instance_forward import forward_attr
+from .instance_forward import replace_forward, restore_forward
 
 MIN_FEATURES = 1024
 SCALE, TRANSPOSED = "fastqwen_fp8_scale", "fastqwen_fp8_transposed"
+KEY = "_fastqwen_fp8"  # where `replace_forward` keeps the projection's own forward
 
 
 class Fp8Unavailable(RuntimeError):
@@ -103,19 +104,13 @@ class Fp8Weights:
         module.register_buffer(SCALE, fp8.scale, persistent=False)
         if fp8.transposed is not None:
             module.register_buffer(TRANSPOSED, fp8.transposed, persistent=False)
-        attr = forward_attr(module)
-        module.__dict__["_fastqwen_fp8"] = (attr, attr in module.__dict__, getattr(module, attr), name)
-        setattr(module, attr, _Forward(module, self.cache, self.input_gradient))
+        replace_forward(module, KEY, lambda original: _Forward(module, name, self.cache, self.input_gradient))
         self.modules[name] = module
 
     def restore(self) -> None:
         """Every quantized module back to its bf16 weight (the host copy: the same bits) and stock forward."""
         for name, module in self.modules.items():
-            attr, had_instance, original, _ = module.__dict__.pop("_fastqwen_fp8")
-            if had_instance:
-                setattr(module, attr, original)
-            else:
-                del module.__dict__[attr]
+            restore_forward(module, KEY)
             device = module.weight.device
             for buffer in (SCALE, TRANSPOSED):
                 module._buffers.pop(buffer, None)
@@ -143,8 +138,9 @@ class Fp8Weights:
 class _Forward:
     """The instance forward of a quantized projection (keeps `nn.Linear.forward`'s one argument)."""
 
-    def __init__(self, module: nn.Linear, cache: InputCache, input_gradient: str):
+    def __init__(self, module: nn.Linear, name: str, cache: InputCache, input_gradient: str):
         self.module = module
+        self.name = name
         self.cache = cache
         self.input_gradient = input_gradient
 
@@ -153,7 +149,7 @@ class _Forward:
         weight = module.weight
         if weight.dtype != E4M3:
             raise RuntimeError(
-                f"fastqwen_fp8: {module.__dict__['_fastqwen_fp8'][3]}'s e4m3 weight was cast to {weight.dtype} after "
+                f"fastqwen_fp8: {self.name}'s e4m3 weight was cast to {weight.dtype} after "
                 "it was quantized, which turns it into meaningless values. Cast the model before the plugin patches "
                 "it, or call unpatch_model(model) first.")
         fp8 = Fp8Weight(weight, module._buffers[SCALE], module._buffers.get(TRANSPOSED))

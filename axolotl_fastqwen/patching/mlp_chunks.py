@@ -23,22 +23,22 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .instance_forward import forward_attr
+from .instance_forward import replace_forward, restore_forward
 
-ATTR = "_fastqwen_mlp_chunks"  # the module's (forward attribute, had an instance forward, original)
+KEY = "_fastqwen_mlp_chunks"  # where `replace_forward` keeps the MLP's own forward
 
 
 class _ChunkedForward:
     """The instance forward of one MLP: the original one, per chunk, above `chunk` tokens."""
 
-    def __init__(self, original, chunk: int, counter: list[int]):
-        self.original, self.chunk, self.counter = original, chunk, counter
+    def __init__(self, original, owner: MlpChunks):
+        self.original, self.owner, self.chunk = original, owner, owner.chunk_tokens
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
         if tokens <= self.chunk or args or kwargs:
             return self.original(x, *args, **kwargs)
-        self.counter[0] += 1
+        self.owner.chunked_forwards += 1
         flat = x.reshape(tokens, x.shape[-1])
         outs = []
         for start in range(0, tokens, self.chunk):
@@ -57,7 +57,7 @@ class MlpChunks:
 
     chunk_tokens: int
     modules: list[nn.Module] = field(default_factory=list)
-    chunked_calls: list[int] = field(default_factory=lambda: [0])  # forwards that ran in chunks
+    chunked_forwards: int = 0  # MLP forwards that ran in chunks
 
     @classmethod
     def install(cls, layers: list[nn.Module], chunk_tokens: int) -> MlpChunks:
@@ -66,24 +66,17 @@ class MlpChunks:
         self = cls(chunk_tokens=chunk_tokens)
         for layer in layers:
             mlp = getattr(layer, "mlp", None)
-            if mlp is None or ATTR in mlp.__dict__:
+            if mlp is None or KEY in mlp.__dict__:
                 continue
-            attr = forward_attr(mlp)
-            original = getattr(mlp, attr)
-            mlp.__dict__[ATTR] = (attr, attr in mlp.__dict__, original)
-            setattr(mlp, attr, _ChunkedForward(original, chunk_tokens, self.chunked_calls))
+            replace_forward(mlp, KEY, lambda original: _ChunkedForward(original, self))
             self.modules.append(mlp)
         return self
 
     def restore(self) -> None:
         for mlp in self.modules:
-            attr, had_instance, original = mlp.__dict__.pop(ATTR)
-            if had_instance:
-                setattr(mlp, attr, original)
-            else:
-                del mlp.__dict__[attr]
+            restore_forward(mlp, KEY)
         self.modules.clear()
 
     def to_dict(self) -> dict:
         return {"mlps": len(self.modules), "chunk_tokens": self.chunk_tokens,
-                "chunked_forwards": self.chunked_calls[0]}
+                "chunked_forwards": self.chunked_forwards}
