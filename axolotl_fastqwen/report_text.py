@@ -40,6 +40,16 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
         lines.append(f"  mlp chunks: {chunks['mlps']} dense MLPs run rows of more than {chunks['chunk_tokens']} tokens "
                      f"in chunks of that many, each recomputed in backward ({chunks['chunked_forwards']} chunked "
                      "forwards so far)")
+    offload = d.get("checkpoint_offload")
+    if offload is not None and not offload["offloaded_inputs"]:
+        lines.append("  checkpoint offload: on (recomputed layers' inputs to pinned host memory, prefetched one layer "
+                     "ahead in backward; nothing moved yet)")
+    elif offload is not None:
+        lines.append(f"  checkpoint offload: {offload['last_forward_inputs']} recomputed layers' inputs in pinned host "
+                     f"memory at the last training forward ({offload['last_forward_gib']} GiB; "
+                     f"{offload['prefetched']} of {offload['restored']} restores prefetched one layer ahead; "
+                     f"{offload['kept_on_device']} kept on the device at the host limit of "
+                     f"{offload['host_limit_gib']} GiB)")
     for note in d["notes"]:
         lines.append(f"  note: {note}")
     if d["boundary_sources"]:

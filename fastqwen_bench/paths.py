@@ -73,6 +73,11 @@ PATHS: dict[str, PathSpec] = {
             "kernels and the loss of axolotl-best to the unit); see axolotl-best+fp8-no-lora-kernels",
         ),
         PathSpec(
+            "axolotl-best+offload", "multipack",
+            "axolotl-best with Axolotl's `activation_offloading: hidden_states` (its offloader of checkpointed layers' "
+            "inputs, around forward and backward as its Trainer's training_step sets it; needs --gc)",
+        ),
+        PathSpec(
             "axolotl-best+fp8-no-lora-kernels", "multipack",
             "axolotl-best+fp8 with lora_mlp_kernel, lora_qkv_kernel and lora_o_kernel off, so that torchao's "
             "Float8Linear runs every projection: Axolotl's FP8 as a user gets it",
@@ -126,6 +131,16 @@ PATHS: dict[str, PathSpec] = {
             "8,192-token chunks, each recomputed in backward; long rows only)",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+offload", "packed",
+            "fastqwen+ckpt-auto+lean with fastqwen_checkpoint_offload (recomputed layers' inputs in pinned host "
+            "memory, prefetched one layer ahead in backward)",
+        ),
+        PathSpec(
+            "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "packed",
+            "the plugin's least memory a token: fastqwen_fp8, fastqwen_checkpoint_offload and "
+            "fastqwen_mlp_chunk_tokens: 8192 with auto and lean (long rows)",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+fp8-forward", "packed",
             "fastqwen+ckpt-auto+lean+fp8 with the input gradient in bf16 on the dequantized weights "
             "(patch_model(fp8_input_gradient='bf16')): FP8's forward GEMMs and its memory, no quantized dy",
@@ -150,14 +165,17 @@ LETTERS = {
     "q": "fastqwen+ckpt-auto+torch-norms", "r": "fastqwen+ckpt-auto+lean+fp8", "s": "fastqwen+ckpt-auto+lean",
     "t": "axolotl-best+fp8", "u": "fastqwen+ckpt-auto+lean+fp8-forward",
     "v": "axolotl-best+fp8-no-lora-kernels", "w": "fastqwen+ckpt-auto+lean+mlp-chunks",
+    "x": "fastqwen+ckpt-auto+lean+offload", "y": "axolotl-best+offload",
+    "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-    "fastqwen+ckpt-auto+lean+mlp-chunks", "axolotl-packing",
-    "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
+    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
+    "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
+    "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
     "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
 )
@@ -169,6 +187,8 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
                       "fastqwen+ckpt-auto+lean": "fastqwen", "fastqwen+ckpt-auto+lean+fp8": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+offload": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+fp8+offload+chunks": "fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+lean": "axolotl-best+fastqwen",
@@ -180,11 +200,15 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-                    "fastqwen+ckpt-auto+lean+mlp-chunks")
+                    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
+                    "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
-FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward")
+FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
+       "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_mlp_chunk_tokens, and its value
-MLP_CHUNKS = {"fastqwen+ckpt-auto+lean+mlp-chunks": 8192}
+MLP_CHUNKS = {"fastqwen+ckpt-auto+lean+mlp-chunks": 8192, "fastqwen+ckpt-auto+lean+fp8+offload+chunks": 8192}
+# paths with fastqwen_checkpoint_offload (patch_model(checkpoint_offload=True))
+CHECKPOINT_OFFLOAD = ("fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
 FP8_BF16_INPUT_GRADIENT = ("fastqwen+ckpt-auto+lean+fp8-forward",)
 # paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the
@@ -227,6 +251,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     fp8 = budget if name in FP8 else None
     input_gradient = "bf16" if name in FP8_BF16_INPUT_GRADIENT else "fp8"
     mlp_chunk_tokens = MLP_CHUNKS.get(name)
+    offload = name in CHECKPOINT_OFFLOAD
     if name in CHECKPOINTING_AUTO:
         if not gc:
             raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
@@ -247,6 +272,18 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             info["axolotl_components"] = best["components"]
             info["axolotl_config"] = {**best["axolotl_config"], "fp8": True}
             info["axolotl_fp8"] = fp8
+            yield info
+        return
+    if name == "axolotl-best+offload":
+        if not gc:
+            raise PathSkipped("activation_offloading: hidden_states offloads checkpointed layers' inputs: run with --gc")
+        with axolotl_best(model, family, device, dtype, loss="liger", gc=gc) as best, \
+                axolotl_hidden_states_offload() as offloader:
+            info["notes"] += best["notes"] + [fla_gdn_dispatch()]
+            info["axolotl_components"] = best["components"]
+            info["axolotl_config"] = {**best["axolotl_config"], "activation_offloading": "hidden_states"}
+            info["step_context"] = lambda: offloader
+            info["stats"] = lambda: {"axolotl_offload": vars(offloader.stats)}
             yield info
         return
     if name in REFERENCE_PATHS:
@@ -300,7 +337,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
-            with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens):
+            with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens, offload):
                 yield info
         finally:
             undo.restore()
@@ -314,6 +351,22 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             yield info
         return
     raise ValueError(f"unknown path {name!r}")
+
+
+@contextlib.contextmanager
+def axolotl_hidden_states_offload() -> Iterator[object]:
+    """Axolotl's `activation_offloading: hidden_states` context, as its Trainer builds it for a
+    non-reentrant checkpoint (the bench's --gc), to enter around each step's forward and backward.
+    Its first entry patches `GradientCheckpointingLayer.__call__` (a marker) for good: undone here."""
+    from axolotl.monkeypatch import checkpoint_activation_offload as offload
+    from transformers import GradientCheckpointingLayer
+
+    call = GradientCheckpointingLayer.__dict__["__call__"]
+    try:
+        yield offload.get_checkpoint_hidden_states_offloading_ctx_manager(use_streams=True)
+    finally:
+        GradientCheckpointingLayer.__call__ = call
+        offload._ORIG_GRADIENT_CHECKPOINTING_LAYER_CALL = None
 
 
 def fla_gdn_dispatch() -> str:
@@ -333,13 +386,13 @@ def fla_gdn_dispatch() -> str:
 @contextlib.contextmanager
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
             lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
-            mlp_chunk_tokens: int | None = None) -> Iterator[None]:
+            mlp_chunk_tokens: int | None = None, checkpoint_offload: bool = False) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
     report = patch_model(model, prefer=prefer, lean_activations=lean, fp8=bool(fp8_tokens),
                          fp8_tokens=fp8_tokens or 8192, fp8_input_gradient=fp8_input_gradient,
-                         mlp_chunk_tokens=mlp_chunk_tokens)
+                         mlp_chunk_tokens=mlp_chunk_tokens, checkpoint_offload=checkpoint_offload)
     info["patch_report"] = report
     try:
         if device.type == "cuda":

@@ -370,7 +370,8 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         def step(k: int, optimizer=optimizer) -> torch.Tensor:
             if fitter is not None:
                 fitter.step_begin()
-            loss = train_step(model, optimizer, data.to_device(batches[k], device), setup.amp)
+            with info.get("step_context", contextlib.nullcontext)():
+                loss = train_step(model, optimizer, data.to_device(batches[k], device), setup.amp)
             if fitter is not None:
                 fitter.step_end()
                 record["checkpointing"] = fitter.to_dict()
@@ -427,6 +428,8 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         compiled_after = TRITON.compiled[compiled1:compiled1 + 20]
     if "patch_report" in info:
         record["patch_report"] = info["patch_report"]
+    if "stats" in info:
+        record.update(info["stats"]())
     optimizer.zero_grad(set_to_none=True)
     del optimizer
 

@@ -280,6 +280,36 @@ def test_mlp_chunks_train_with_the_losses_of_a_run_without_them(tmp_path):
     assert report(plain)["kernels"]["mlp_chunks"] is None
 
 
+def test_checkpoint_offload_trains_with_the_losses_of_a_run_without_it(tmp_path):
+    """`fastqwen_checkpoint_offload: true` with gradient checkpointing, through Axolotl: every
+    recomputed layer's input goes to a host buffer and comes back for its recompute
+    (tests/offload_on_cpu.py lets the offload take the CPU's tensors); the per-step losses are the
+    run's without the offload, to the printed digit (the offload copies values: test_checkpoint_offload.py
+    holds the gradients bit for bit), and the report counts what moved."""
+    tests = str(ROOT / "tests")
+    plain, offload = tmp_path / "plain", tmp_path / "offload"
+    plain.mkdir(), offload.mkdir()
+    plugins = ["offload_on_cpu.OffloadOnCpu", "axolotl_fastqwen.FastQwenPlugin"]
+    env = {"env_extra": {"PYTHONPATH": tests}}
+    reference = train_losses(train(config(plain, plugins=plugins, gradient_checkpointing=True), **env))
+    log = train(config(offload, plugins=plugins, gradient_checkpointing=True, fastqwen_checkpoint_offload=True), **env)
+    losses = train_losses(log)
+    assert len(losses) == len(reference) == 3 and losses == reference, (losses, reference)
+    moved = report(offload)["kernels"]["checkpoint_offload"]
+    assert moved["last_forward_inputs"] == 4 and moved["restored"] >= 4 * 3, moved  # full recompute on a CPU
+    assert moved["prefetched"] == moved["restored"] - 3, moved  # each backward's first restore has no one ahead
+    assert "checkpoint offload: on (recomputed layers' inputs to pinned host memory" in log  # the load report
+    assert report(plain)["kernels"]["checkpoint_offload"] is None
+
+
+def test_checkpoint_offload_with_axolotls_offloader_is_refused_at_config_load(tmp_path):
+    out = fails("preprocess", str(config(tmp_path, gradient_checkpointing=True, activation_offloading=True,
+                                         fastqwen_checkpoint_offload=True)))
+    error = out[out.index("axolotl_fastqwen cannot train this config"):]
+    assert error.splitlines()[0].endswith("`fastqwen_checkpoint_offload: true` with `activation_offloading: True`"), error
+    assert "    activation_offloading: false" in error and "Traceback" not in out
+
+
 def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused_at_config_load(tmp_path):
     """`fastqwen_fp8: true` on this CPU machine: the key, why, and the line to paste, before any
     dataset or model work (on a Hopper GPU the same YAML trains: tests/test_gpu_kernels.py)."""

@@ -290,16 +290,19 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("f,e,a") == ["stock-torch-padded", "fastqwen", "axolotl-best"]
     assert parse_paths("g,h,i,d") == ["stock-moe-eager", "stock-moe-grouped-mm", "axolotl-packing",
                                       "axolotl-best-cce"]
-    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-10:] == (
-        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
+    assert parse_paths("all") == list(EXECUTION_ORDER) and EXECUTION_ORDER[-11:] == (
+        "axolotl-packing", "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8",
+        "axolotl-best+fp8-no-lora-kernels",
         "axolotl-best+fastqwen",
         "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
     )  # Axolotl's patches last
     assert parse_paths("o,l") == ["axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+lean"]
     assert parse_paths("l,m,k") == ["fastqwen+ckpt-auto", "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto"]
+    assert parse_paths("x,y,z") == ["fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
+                                    "axolotl-best+offload"]
     with pytest.raises(ValueError, match="f=axolotl-best"):
-        parse_paths("z")
+        parse_paths("zz")
 
 
 def test_lora_targets_of_the_moe_shapes():
@@ -370,6 +373,27 @@ def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_o
     rc = bench_cli(["bench", *TINY, "--paths", "m", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "nogc")])
     skipped = _path(json.loads((tmp_path / "nogc" / "bench.json").read_text()), "fastqwen+ckpt-auto")
     assert skipped["status"] == "skipped" and "--gc" in skipped["error"]
+
+
+def test_offload_paths_run_and_record_what_their_offloaders_moved(tmp_path):
+    """Path x is path s with fastqwen_checkpoint_offload, y axolotl-best with Axolotl's
+    `activation_offloading: hidden_states` around each step. Both offload CUDA tensors only: on a CPU
+    they move nothing and give their base paths' calibration losses; their records say what moved."""
+    pytest.importorskip("axolotl")
+    rc = bench_cli(["bench", *TINY, "--paths", "s,x,f,y", "--gc", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    s, x = _path(result, "fastqwen+ckpt-auto+lean"), _path(result, "fastqwen+ckpt-auto+lean+offload")
+    f, y = _path(result, "axolotl-best"), _path(result, "axolotl-best+offload")
+    assert rc == 0 and s["status"] == x["status"] == f["status"] == y["status"] == "ok", (x.get("error"), y.get("error"))
+    assert x["calibration_loss"] == s["calibration_loss"] and y["calibration_loss"] == f["calibration_loss"]
+    moved = x["patch_report"]["checkpoint_offload"]
+    assert moved["layers"] == 4 and moved["last_forward_inputs"] == 0  # CPU tensors stay where they are
+    assert y["axolotl_config"]["activation_offloading"] == "hidden_states"
+    assert y["axolotl_offload"]["marked_tensors"] > 0 and y["axolotl_offload"]["offloaded_tensors"] == 0
+    assert s["patch_report"]["checkpoint_offload"] is None
+    from transformers import GradientCheckpointingLayer
+
+    assert GradientCheckpointingLayer.__call__.__module__ == "transformers.modeling_layers"  # Axolotl's marker undone
 
 
 def test_bench_runs_forwards_under_bf16_autocast_when_asked(tmp_path):

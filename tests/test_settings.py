@@ -315,3 +315,28 @@ def test_mlp_chunk_tokens_reaches_the_settings_and_must_be_positive():
     assert not any("mlp_chunk" in n for n in settle(fastqwen_mlp_chunk_tokens=1024)[0].notes)
     with pytest.raises(Exception, match="fastqwen_mlp_chunk_tokens"):
         settle(fastqwen_mlp_chunk_tokens=0)
+
+
+def test_checkpoint_offload_needs_checkpointing_and_refuses_a_second_offloader():
+    assert not settle(gradient_checkpointing=True)[0].checkpoint_offload
+    settings = settle(gradient_checkpointing=True, fastqwen_checkpoint_offload=True)[0]
+    assert settings.checkpoint_offload and settings.checkpointing == "auto"  # auto sizes itself with it on
+    with pytest.raises(ConfigError) as err:
+        settle(gradient_checkpointing=False, fastqwen_checkpoint_offload=True)
+    assert "without gradient checkpointing" in str(err.value) and "    gradient_checkpointing: true" in str(err.value)
+    for cfg in ({"activation_offloading": True}, {"activation_offloading": "hidden_states"},
+                {"gradient_checkpointing": "offload"}):
+        with pytest.raises(ConfigError) as err:
+            settle(**{"gradient_checkpointing": True, **cfg}, fastqwen_checkpoint_offload=True)
+        assert "two offloaders would each copy them" in str(err.value), cfg
+        assert "    activation_offloading: false" in str(err.value)
+
+
+def test_axolotls_hidden_states_offload_composes_with_auto():
+    """`activation_offloading: hidden_states` keeps gradient checkpointing and offloads the inputs of the
+    layers whose flag is on: those auto recomputes. The others step auto aside as before."""
+    settings = settle(gradient_checkpointing=True, activation_offloading="hidden_states")[0]
+    assert settings.checkpointing == "auto"
+    assert any(n.startswith("activation_offloading: hidden_states with fastqwen_checkpointing: auto")
+               for n in settings.notes), settings.notes
+    assert settle(gradient_checkpointing=True, activation_offloading="legacy")[0].checkpointing == "full"

@@ -105,6 +105,7 @@ class FastQwenPlugin(BasePlugin):
             fp8_tokens=settings.token_budget,
             fp8_input_gradient=settings.fp8_input_gradient,
             mlp_chunk_tokens=settings.mlp_chunk_tokens,
+            checkpoint_offload=settings.checkpoint_offload,
             log=False,
         )
         if settings.loss_owner:

@@ -133,6 +133,7 @@ class Settings:
     fp8: bool  # fastqwen_fp8: the frozen projections on FP8 GEMMs
     fp8_input_gradient: str  # fastqwen_fp8_input_gradient: how their input gradients run
     mlp_chunk_tokens: int | None  # fastqwen_mlp_chunk_tokens: dense MLPs over token chunks at long rows
+    checkpoint_offload: bool  # fastqwen_checkpoint_offload: recomputed layers' inputs in host memory
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -325,6 +326,10 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     elif checkpointing == "auto" and args.fastqwen_checkpointing is None:
         decisions.append(Decision("fastqwen_checkpointing", "auto (default)", "gradient_checkpointing is on: the "
                                   "layers whose activations fit in memory are kept, the rest recomputed"))
+    if checkpointing == "auto" and cfg.get("activation_offloading") == "hidden_states":
+        notes.append("activation_offloading: hidden_states with fastqwen_checkpointing: auto: Axolotl's offloader "
+                     "moves the inputs of the layers auto recomputes; the layers it keeps are not offloaded, and auto "
+                     "sizes itself with the offload on")
     lean, lean_note = _lean_activations(cfg, args.fastqwen_lean_activations, checkpointing)
     lean = lean and patch_layers
     if lean_note:
@@ -335,6 +340,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     if chunk is not None and chunk >= most:
         notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "
                      f"MLP runs in chunks (set it below that, e.g. {max(64, most // 4)}, to use it)")
+    offload = _checkpoint_offload(cfg, args.fastqwen_checkpoint_offload, checkpointing, patch_layers)
     if args.fastqwen_fp8_input_gradient != "fp8" and not fp8:
         raise ConfigError(f"`fastqwen_fp8_input_gradient: {args.fastqwen_fp8_input_gradient}`",
                           "it says how the FP8 projections' input gradients run, and fastqwen_fp8 is off.",
@@ -353,7 +359,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         axolotl_options=options, patch_layers=patch_layers, checkpointing=checkpointing,
         checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean, fp8=fp8,
         fp8_input_gradient=args.fastqwen_fp8_input_gradient, mlp_chunk_tokens=args.fastqwen_mlp_chunk_tokens,
-        model_source=cfg.get("base_model_config") or cfg.get("base_model"),
+        checkpoint_offload=offload, model_source=cfg.get("base_model_config") or cfg.get("base_model"),
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
         output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))
     return settings, edits
@@ -415,6 +421,30 @@ def _takeover_why(budget: int, sequence_len: int, micro_batch_size: int) -> str:
             "across one; the step composition changes: steps per epoch, warm-up and eval/save cadence in steps")
 
 
+def _checkpoint_offload(cfg: Mapping, wanted: bool, checkpointing: str, patch_layers: bool) -> bool:
+    """`fastqwen_checkpoint_offload`: refused where there is nothing of its own to move."""
+    if not wanted:
+        return False
+    offloading = cfg.get("activation_offloading")
+    if _on(offloading) or cfg.get("gradient_checkpointing") in ("offload", "offload_disk"):
+        key = (f"activation_offloading: {offloading}" if _on(offloading)
+               else f"gradient_checkpointing: {cfg.get('gradient_checkpointing')}")
+        raise ConfigError(f"`fastqwen_checkpoint_offload: true` with `{key}`",
+                          "Axolotl's offloader moves the same activations to host memory; two offloaders would each "
+                          "copy them.",
+                          instead="Keep one: remove fastqwen_checkpoint_offload (Axolotl's offloader), or set the "
+                                  "lines below (the plugin's: it prefetches each layer's input one layer ahead and "
+                                  "composes with fastqwen_checkpointing: auto).",
+                          paste=["activation_offloading: false", "gradient_checkpointing: true"])
+    if checkpointing == "off":
+        raise ConfigError("`fastqwen_checkpoint_offload: true` without gradient checkpointing",
+                          "it moves the inputs that recomputed layers keep, and with gradient_checkpointing off no "
+                          "layer is recomputed.",
+                          instead="Turn gradient checkpointing on, or remove fastqwen_checkpoint_offload.",
+                          paste=["gradient_checkpointing: true"])
+    return patch_layers
+
+
 def _checkpointing(cfg: Mapping, explicit: str | None, packer: bool, env: Environment) -> tuple[str, str | None]:
     """The checkpointing mode, and why `auto` does not run (None when it does, or is not wanted)."""
     gc = cfg.get("gradient_checkpointing")
@@ -426,7 +456,8 @@ def _checkpointing(cfg: Mapping, explicit: str | None, packer: bool, env: Enviro
     if explicit == "full":
         return "full", None
     why = []
-    if gc in ("offload", "offload_disk") or _on(cfg.get("activation_offloading")):
+    offloading = cfg.get("activation_offloading")
+    if gc in ("offload", "offload_disk") or (_on(offloading) and offloading != "hidden_states"):
         why.append("activation_offloading is on: Axolotl's offloader replaces recompute and moves activations off "
                    "the GPU, where auto cannot measure them (set activation_offloading: false to let auto keep what "
                    "fits)")

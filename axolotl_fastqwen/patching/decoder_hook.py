@@ -1,7 +1,8 @@
 """The decoder's forward pre-hook: what is decided once per forward, before the first layer.
 
 In order: the GPU self-check (first forward only), peft's LoRA input cast (`lora_input_cast.py`) and its
-expert LoRA run factored (`expert_lora.py`), the batch-shape record for the report, then the
+expert LoRA run factored (`expert_lora.py`), the batch-shape record for the report, the checkpoint
+offload's hold on the layers' checkpoint functions (training forwards), then the
 boundaries (`boundaries.resolve`) and what follows from them: one boundaries object for every
 layer, no 4-D masks (the varlen kernels need none) and no cache on a packed row (it is not a
 prefix to continue: an empty cache object passed in is ignored with a warning, a filled one
@@ -31,12 +32,13 @@ class DecoderPreHook:
     """One per patched decoder (see the module docstring); `report` is the model's `PatchReport`."""
 
     def __init__(self, report, base: nn.Module, lora_cast: LoraInputCast, context: ForwardContext,
-                 expert_adapters: ExpertAdapters | None = None):
+                 expert_adapters: ExpertAdapters | None = None, offload=None):
         self.report = report
         self.base = base
         self.lora_cast = lora_cast
         self.expert_adapters = expert_adapters
         self.context = context
+        self.offload = offload  # memory.checkpoint_offload.CheckpointOffload, when on
         self.validated = False
 
     def __call__(self, module, args, kwargs):
@@ -47,6 +49,8 @@ class DecoderPreHook:
         self._record_shape(module.training, args, kwargs)
         if module.training:
             kwargs["use_cache"] = False
+            if self.offload is not None:
+                self.offload.sync_layers()
         self.context.last_boundaries = kwargs.get(BOUNDARIES_KWARG)
         if self.context.last_boundaries is not None:
             return args, kwargs

@@ -27,6 +27,7 @@ from ..devices import model_device
 from .expert_lora import ExpertAdapters
 from .fp8_weights import Fp8Weights
 from .mlp_chunks import MlpChunks
+from ..memory.checkpoint_offload import CheckpointOffload
 from ..layers.experts_implementation import describe_experts, experts_implementation, experts_modules, set_experts_implementation
 from ..families.base import FamilyPlan, detect_family, unwrap
 from .forward_context import ForwardContext
@@ -89,6 +90,7 @@ class PatchReport:
     rms_norms: int = 0  # transformers RMSNorm modules of the decoder run by the rms_norm op
     fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
     mlp_chunks: MlpChunks | None = field(default=None, repr=False)  # fastqwen_mlp_chunk_tokens, when set
+    offload: CheckpointOffload | None = field(default=None, repr=False)  # fastqwen_checkpoint_offload, when on
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -130,6 +132,7 @@ class PatchReport:
             "lean_activations": self.lean.to_dict() if self.lean is not None else None,
             "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
             "mlp_chunks": self.mlp_chunks.to_dict() if self.mlp_chunks is not None else None,
+            "checkpoint_offload": self.offload.to_dict() if self.offload is not None else None,
             "versions": self.versions,
         }
 
@@ -159,6 +162,7 @@ def patch_model(
     fp8_keep_transposed: bool = False,
     fp8_input_gradient: str = "fp8",
     mlp_chunk_tokens: int | None = None,
+    checkpoint_offload: bool = False,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -182,6 +186,9 @@ def patch_model(
     mlp_chunk_tokens: rows of more tokens run each dense MLP in chunks of this many tokens, each
         recomputed in backward (`patching/mlp_chunks.py`): the same result without holding the MLP's
         intermediates, for one more MLP forward per kept layer. None: off. MoE models have no dense MLP.
+    checkpoint_offload: under gradient checkpointing, the inputs of the recomputed decoder layers go to
+        pinned host memory as their forward runs and come back one layer ahead in backward
+        (`memory/checkpoint_offload.py`); layers whose activations are kept are untouched.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -208,7 +215,10 @@ def patch_model(
     experts_before = _use_grouped_experts(base, kernels)
     lora_cast = LoraInputCast(base)
     expert_adapters = ExpertAdapters(base)
-    hook = DecoderPreHook(report, base, lora_cast, context, expert_adapters)
+    decoder_layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
+    if checkpoint_offload:
+        report.offload = CheckpointOffload(decoder_layers)
+    hook = DecoderPreHook(report, base, lora_cast, context, expert_adapters, offload=report.offload)
     hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base.modules() if type(m) in plan.decoder]
     if not hooks:
         raise RuntimeError(f"{type(base).__name__}: no decoder model of {plan.family.decoder} found to hook")
@@ -216,8 +226,7 @@ def patch_model(
     if fused_cross_entropy:
         report.fused_cross_entropy = _patch_causal_lm(base, plan, kernels, patched, context)
     if lean_activations:
-        layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
-        report.lean = LeanActivations(layers, plan.family.layer_norms)
+        report.lean = LeanActivations(decoder_layers, plan.family.layer_norms)
     if fp8:
         decoders = [m for m in base.modules() if type(m) in plan.decoder]
         report.fp8 = Fp8Weights.install(decoders, tokens=fp8_tokens, keep_transposed=fp8_keep_transposed,
@@ -226,8 +235,7 @@ def patch_model(
         kernels.notes.append(f"mlp chunks: not applied: {plan.name} routes tokens to experts and has no dense MLP "
                              "(a sparse block's router outputs are recorded per call for the auxiliary loss)")
     elif mlp_chunk_tokens is not None:
-        layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
-        report.mlp_chunks = MlpChunks.install(layers, mlp_chunk_tokens)
+        report.mlp_chunks = MlpChunks.install(decoder_layers, mlp_chunk_tokens)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context, "expert_adapters": expert_adapters,
                                  "experts_before": experts_before}
@@ -275,6 +283,8 @@ def unpatch_model(model: nn.Module) -> None:
         state["report"].fp8.restore()
     if state["report"].mlp_chunks is not None:
         state["report"].mlp_chunks.restore()
+    if state["report"].offload is not None:
+        state["report"].offload.restore()
     if state["experts_before"] is not None and experts_implementation(experts_modules(base)[0]) == grouped_experts.GROUPED:
         set_experts_implementation(base, state["experts_before"])
     for module in state["modules"]:

@@ -64,6 +64,14 @@ for stage in ${STAGES:-tests}; do
       timeout "${FP8LOSS_S:-400}" python3 tools/gpu/fp8_loss_pair.py --layers "${LOSS_LAYERS:-16}" \
         --steps "${LOSS_STEPS:-300}" ${LOSS_ARGS:-} --out "$RES/fp8_loss" > "$RES/fp8_loss.log" 2>&1
       tail -14 "$RES/fp8_loss.log" ;;
+    attention) # issue 37 item 2: causal attention fwd+bwd at the 27B's head shape, varlen vs SDPA's backends per sequence
+      timeout "${ATTN_S:-150}" python3 tools/gpu/attention_timing.py ${ATTN_ARGS:-} --out "$RES/attention.json" \
+        > "$RES/attention.log" 2>&1
+      tail -6 "$RES/attention.log" | cut -c1-600 ;;
+    offloadtest) # issue 37: the checkpoint offload on the 27B slice at 32k (OFFLOAD_K selects other GPU tests)
+      FASTQWEN_GPU_RESULTS="$RES/gpu_offload.json" timeout "${OFFLOAD_S:-150}" \
+        python3 -m pytest -q tests/test_gpu_kernels.py -k "${OFFLOAD_K:-checkpoint_offload}" -p no:cacheprovider -rs > "$RES/pytest_offload.log" 2>&1
+      tail -8 "$RES/pytest_offload.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
