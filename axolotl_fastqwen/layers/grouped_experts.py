@@ -106,13 +106,49 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
                          min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     # grouped GEMMs are not autocast ops: rows go in the weights' dtype, as in transformers
-    rows = hidden_states[order // k].to(weight_dtype)
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=order.device)
+    rows = _RoutedRows.apply(hidden_states, order, unsort, k).to(weight_dtype)
     inner = self._apply_gate(_project(rows, self.gate_up_proj, self.is_transposed, offsets, lora.get("gate_up_proj")))
     inner = inner * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(inner.dtype)
     out = _project(inner, self.down_proj, self.is_transposed, offsets, lora.get("down_proj"))
-    unsort = torch.empty_like(order)
-    unsort[order] = torch.arange(order.numel(), device=order.device)
-    return out[unsort].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    return _CombinedRows.apply(out, order, unsort, k).to(hidden_states.dtype)
+
+
+class _RoutedRows(torch.autograd.Function):
+    """(T, H) -> its (T·k, H) routed rows in expert order, `x[order // k]`. Autograd's backward of
+    that index is an atomic scatter-add (sorting the indices first, in bf16: the largest copy
+    kernel of the 35B-A3B profile); each token's k rows are known, so the backward here gathers
+    them back to token order and sums the k of each token: one gather and one reduction,
+    accumulated in fp32 and in a fixed order."""
+
+    @staticmethod
+    def forward(ctx, x, order, unsort, k):
+        ctx.save_for_backward(unsort)
+        ctx.k = k
+        return x[order // k]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (unsort,) = ctx.saved_tensors
+        return grad[unsort].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+class _CombinedRows(torch.autograd.Function):
+    """(T·k, H) expert-ordered rows -> (T, H), each token's k rows summed: `y[unsort].view(T, k, H)
+    .sum(1)`, whose backward through the permutation is again a scatter; here it is the gather
+    `grad[order // k]`."""
+
+    @staticmethod
+    def forward(ctx, y, order, unsort, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return y[unsort].view(-1, k, y.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad[order // ctx.k], None, None, None
 
 
 def register() -> None:
