@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
-from axolotl_fastqwen.memory.checkpoint_fitter import FIT_STEPS, GIB, CheckpointFitter, decoder_layers
+from axolotl_fastqwen.memory.checkpoint_fitter import (
+    FIT_STEPS, GIB, KEPT_LAYER_INPUTS, CheckpointFitter, decoder_layers,
+)
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     LORA_TARGETS, TENSOR_TOL, alone_loss_and_grads, grads, model_for, packed_batch, rel, sequences,
 )
@@ -144,6 +146,28 @@ def test_fitter_keeps_as_many_periods_as_fit_then_holds(model_and_batch):
     assert d["kept_layers"] == 4 and d["recomputed_layers"] == 4 and d["base_peak_gib"] == 60.4
     fitter.restore()
     assert flags(layers) == [True] * 8
+
+
+def test_no_probe_where_one_kept_period_may_not_fit(model_and_batch):
+    """Long rows: with every layer recomputed the peak already sits near the limit, and keeping the
+    probe's 4 layers (each bounded by KEPT_LAYER_INPUTS times its input) could run out of memory
+    before the fit gives them back (H100, 32k tokens): nothing is probed, with the numbers. With
+    room for that bound, the probe runs."""
+    model, batch = model_and_batch
+    layers, _ = decoder_layers(model)
+    one_input = batch["input_ids"].numel() * model.config.hidden_size * 4  # fp32 on CPU
+    bound = 4 * KEPT_LAYER_INPUTS * one_input
+    base_peak = 60 * GIB + 8 * (GIB // 20)  # LayerMemory: base + each recomputed layer's output
+    for room, probed in ((bound // 2, False), (2 * bound, True)):
+        memory = LayerMemory(layers, base=60 * GIB, per_layer=6 * GIB, total=int((base_peak + room) / 0.85) + 1)
+        fitter = CheckpointFitter(model, memory, fraction=0.85)
+        run_steps(fitter, 2, model, batch)
+        assert fitter.input_bytes == one_input
+        assert (fitter.phase == "probing") is probed, fitter.to_dict()
+        if not probed:
+            assert fitter.kept == 0 and flags(layers) == [True] * 8
+            assert "may take up to" in fitter.summary() and "not probed" in fitter.summary()
+        fitter.restore()
 
 
 def test_fitter_sizes_from_what_layers_hold_not_from_the_peak_slope(model_and_batch):

@@ -5,6 +5,8 @@ is about a third of the step's work. The packer's rows have one static shape, so
 is the same every step, and it can be measured instead of guessed:
 
 1. two steps with every layer recomputed: the second's peak (optimizer state included) is the base;
+   if keeping one pattern period could take more than the room under the limit (bounded by
+   `KEPT_LAYER_INPUTS` times a layer's input each), nothing is probed and every layer recomputes;
 2. a probe step that keeps the activations of the last pattern period (3 Gated DeltaNet + 1
    attention layer on Qwen3.5), measuring what each layer's forward leaves allocated: a kept layer
    holds its saved activations, a recomputed one only its output. Their difference, summed over
@@ -48,6 +50,11 @@ GIB = 1024**3
 # on the H200 (benchmarks/h200/2026-12-04b): 0 allocator retries at 0.85 (either allocator) and at
 # 0.90 (expandable segments); 27B, 64 layers: peak 125.1 GiB (89.5% of the card) at 0.90.
 DEFAULT_CHECKPOINTING_MEMORY = 0.90
+# what one kept decoder layer holds, in multiples of its input `[tokens, hidden]`: an upper bound that
+# decides whether the probe can run at all (measured on the 27B at 16k tokens, H100: 3.41 GiB a
+# layer with lean activations against a 0.156 GiB input, 21.8x; 17.6% more without lean). A probe
+# that did not fit ran out of memory at 32k tokens on an H100 before the fit could give it back.
+KEPT_LAYER_INPUTS = 24
 SETTLE_STEPS = 2  # steps at full recompute before the baseline: the first step creates the optimizer's state
 FIT_STEPS = SETTLE_STEPS + 3  # + the probe step, the step that checks the fit, one that checks a grown fit
 
@@ -137,6 +144,7 @@ class CheckpointFitter:
         self._retries_at_begin = 0
         self.retries_seen = 0  # allocator retries in settled steps (each gave a period back)
         self.ceiling: int | None = None  # a kept count that went over the limit or stalled: never again
+        self.input_bytes = 0  # the largest decoder-layer input seen while settling
         if memory is None:
             self._stop("no CUDA device: its peak memory cannot be measured")
         elif not any(getattr(layer, "gradient_checkpointing", False) for layer in self.layers):
@@ -150,6 +158,8 @@ class CheckpointFitter:
         self._retries_at_begin = self.memory.retries()
         if self.phase == "probing":
             self._watch_layers()
+        elif self.phase == "settling" and not self._hooks:
+            self._hooks.append(self.layers[0].register_forward_pre_hook(self._record_input, with_kwargs=True))
 
     def step_end(self) -> None:
         if self.phase == "off":
@@ -163,8 +173,17 @@ class CheckpointFitter:
                     self._stop(f"the peak with every layer recomputed, {peak / GIB:.1f} GiB, is already over the "
                                f"limit ({self.limit / GIB:.1f} GiB)", peak)
                     return
+                self._unwatch_layers()
+                probe = min(self.period, len(self.layers))
+                guess = probe * KEPT_LAYER_INPUTS * self.input_bytes
+                if peak + guess > self.limit:
+                    self._stop(f"the peak with every layer recomputed, {peak / GIB:.1f} GiB, leaves "
+                               f"{(self.limit - peak) / GIB:.1f} GiB under the limit, and keeping {probe} layers of "
+                               f"{self.input_bytes / GIB:.2f} GiB inputs may take up to {guess / GIB:.1f} GiB: "
+                               "not probed", peak)
+                    return
                 self.phase = "probing"
-                self._keep(min(self.period, len(self.layers)), peak, "probe: keep one pattern period")
+                self._keep(probe, peak, "probe: keep one pattern period")
             return
         if self.phase == "probing":
             self._unwatch_layers()
@@ -224,6 +243,11 @@ class CheckpointFitter:
 
         for layer in self.layers:
             self._hooks += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+
+    def _record_input(self, module, args, kwargs) -> None:
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor):
+            self.input_bytes = max(self.input_bytes, x.numel() * x.element_size())
 
     def _unwatch_layers(self) -> None:
         for handle in self._hooks:

@@ -112,8 +112,11 @@ class Fp8Weights:
         for name, module in self.modules.items():
             restore_forward(module, KEY)
             device = module.weight.device
-            for buffer in (SCALE, TRANSPOSED):
-                module._buffers.pop(buffer, None)
+            # the e4m3 copy's memory goes back before the bf16 one is allocated, whoever still holds a
+            # reference (H100, 32k rows: a restore that held both ran out of memory)
+            for tensor in (module.weight, *(module._buffers.pop(b, None) for b in (SCALE, TRANSPOSED))):
+                if tensor is not None:
+                    tensor.untyped_storage().resize_(0)
             module.weight = nn.Parameter(self.host[name].to(device), requires_grad=False)
         self.modules.clear()
         self.host.clear()
