@@ -71,6 +71,15 @@ class Boundaries:
     def lengths(self) -> list[int]:
         return self.cu_seqlens_host.diff().tolist()
 
+    def window(self, first: int, end: int) -> Boundaries:
+        """Sequences `first` to `end - 1` alone: the boundaries of their tokens
+        `cu_seqlens_host[first]:cu_seqlens_host[end]` (device tensors sliced, no sync)."""
+        host = self.cu_seqlens_host[first:end + 1] - self.cu_seqlens_host[first]
+        start, stop = int(self.cu_seqlens_host[first]), int(self.cu_seqlens_host[end])
+        return Boundaries(self.cu_seqlens[first:end + 1] - self.cu_seqlens[first], host,
+                          self.seq_idx[:, start:stop] - first, int(host.diff().max()), self.source,
+                          tuple(i - first for i in self.padding_segments if first <= i < end))
+
     def cu_seqlens_int64(self) -> torch.Tensor:
         """`cu_seqlens` as int64 on the device, cast once per batch (one tensor object for all layers)."""
         if self._cu_seqlens_int64 is None:

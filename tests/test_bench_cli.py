@@ -71,17 +71,19 @@ def test_bench_writes_complete_json(bench):
     assert result["schema"] == "fastqwen_bench/1" and result["partial"] is False
     assert [r["name"] for r in result["paths"]] == [
         "stock-torch-padded", "stock-fla-padded", "stock-fla-flattening", "axolotl-packing", "fastqwen",
-        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8",
+        "fastqwen-lora-kernels", "axolotl-best", "axolotl-best-cce", "axolotl-best+fp8", "axolotl-best+offload",
         "axolotl-best+fp8-no-lora-kernels", "axolotl-best+fastqwen",
         "fastqwen+ckpt-auto",
         "fastqwen+ckpt-auto+torch-norms", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
         "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+mlp-chunks",
+        "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
         "fastqwen+ckpt-auto+lean+fp8-forward", "stock-moe-eager", "stock-moe-grouped-mm",
     ]
     for name in ("axolotl-best+fastqwen+ckpt-auto+flash-qla", "axolotl-best+fastqwen+ckpt-auto+lean",
                  "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-                 "fastqwen+ckpt-auto+lean+mlp-chunks"):
+                 "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
+                 "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-best+offload"):
         assert _path(result, name)["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]

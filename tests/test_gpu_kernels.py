@@ -284,6 +284,40 @@ def test_mlp_chunks_on_the_27b_slice_at_32k(gpu_record):
     assert peak0 - peak1 >= 2 * intermediates, (peak0 / 2**30, peak1 / 2**30)
 
 
+def test_long_sequences_on_cudnn_agree_with_torch_varlen_at_16k(gpu_record):
+    """The `cudnn-long+torch-varlen` backend on a 16,384-token row at the 27B's attention shape:
+    a 12,000-token sequence and one of exactly LONG_SEQUENCE tokens go alone through SDPA's cuDNN
+    kernel, the short ones around them through PyTorch's varlen kernel; output and input gradients
+    against PyTorch's varlen FlashAttention-2 over the whole row, both bf16 (measured 2.2e-3 between
+    the two kernels on single sequences; bound 1e-2). The times of both are recorded."""
+    from axolotl_fastqwen.ops.varlen_attention import LONG_SEQUENCE, long_sequences_on_sdpa, torch_varlen
+
+    lengths = [12_000, 200, LONG_SEQUENCE, 84]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    boundaries = Boundaries.from_cu_seqlens(cu.cuda(), device=torch.device("cuda"), host=cu)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(int(cu[-1]), h, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for h in (24, 4, 4))
+    grad = torch.randn(q.shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    results = {}
+    for name, fn in (("torch-varlen", torch_varlen), ("cudnn-long", long_sequences_on_sdpa)):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*xs, boundaries=boundaries, scale=256**-0.5)
+            grads = torch.autograd.grad(out, xs, grad)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        results[name] = (out, grads, sorted(times)[1])
+    (o0, g0, t0), (o1, g1, t1) = results["torch-varlen"], results["cudnn-long"]
+    err = max([_rel(o1, o0)] + [_rel(a, b) for a, b in zip(g1, g0)])
+    gpu_record({"test": "long_sequences_on_cudnn_16k", "lengths": lengths, "rel_err": err,
+                "ms": {"torch-varlen": t0 * 1e3, "cudnn-long": t1 * 1e3}})
+    assert err <= 1e-2
+
+
 def test_checkpoint_offload_on_the_27b_slice_at_32k(gpu_record):
     """`checkpoint_offload=True` on a 27B slice (4 layers, all recomputed, non-reentrant gradient
     checkpointing, LoRA r=16, bf16 autocast) at one 32,768-token sequence: the loss and LoRA gradients

@@ -185,6 +185,40 @@ def test_varlen_attention_is_block_diagonal_causal_attention():
     assert rel(ours, full) < 1e-6
 
 
+@pytest.mark.parametrize("lengths", [[70, 3, 64, 9, 80, 1], [100, 20], [5, 90], [10, 20, 30]])
+def test_long_sequences_on_sdpa_is_block_diagonal_causal_attention(lengths, monkeypatch):
+    """The cudnn-long backend's split, on CPU with the long-sequence length lowered to 64: long
+    sequences alone through SDPA, each run of short ones (first, between, last, or the whole row)
+    through the varlen path over its own window, and the pieces back in row order; forward and
+    input gradients of block-diagonal causal attention (fp32; measured ~1e-7)."""
+    from axolotl_fastqwen.ops import varlen_attention
+
+    monkeypatch.setattr(varlen_attention, "LONG_SEQUENCE", 64)
+    windows = []
+
+    def short(q, k, v, *, boundaries, **kw):
+        windows.append(boundaries.lengths())
+        assert boundaries.seq_idx.shape[1] == q.shape[0] == boundaries.total
+        return reference_varlen_attention(q, k, v, boundaries=boundaries, **kw)
+
+    T, Hq, Hkv, D = sum(lengths), 4, 2, 16
+    inputs = [torch.randn(T, h, D, dtype=torch.float64, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    b = boundaries(lengths)
+    ours = varlen_attention.long_sequences_on_sdpa(*inputs, boundaries=b, scale=D**-0.5, short=short)
+    grad = torch.randn_like(ours)
+    ours_grads = torch.autograd.grad(ours, inputs, grad)
+    ref = reference_varlen_attention(*inputs, boundaries=b, scale=D**-0.5)
+    ref_grads = torch.autograd.grad(ref, inputs, grad)
+    assert rel(ours, ref) < 1e-6 and all(rel(a, r) < 1e-6 for a, r in zip(ours_grads, ref_grads))
+    runs, run = [], []
+    for n in lengths:  # the runs of short sequences the split must hand to the varlen path
+        if n < 64:
+            run.append(n)
+        elif run:
+            runs, run = runs + [run], []
+    assert windows == runs + ([run] if run else []) or (max(lengths) < 64 and windows == [lengths])
+
+
 @pytest.mark.parametrize("num_items", [None, 57])
 @pytest.mark.parametrize("weight_grad", [True, False])
 def test_linear_cross_entropy_matches_transformers_loss_and_grads(num_items, weight_grad):
