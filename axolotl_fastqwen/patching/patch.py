@@ -185,7 +185,7 @@ def patch_model(
         weights (FP8 forward only).
     mlp_chunk_tokens: rows of more tokens run each dense MLP in chunks of this many tokens, each
         recomputed in backward (`patching/mlp_chunks.py`): the same result without holding the MLP's
-        intermediates, for one more MLP forward per kept layer. None: off. MoE models have no dense MLP.
+        intermediates, for one more MLP forward per layer (kept or recomputed). None: off. MoE models have no dense MLP.
     checkpoint_offload: under gradient checkpointing, the inputs of the recomputed decoder layers go to
         pinned host memory as their forward runs and come back one layer ahead in backward
         (`memory/checkpoint_offload.py`); layers whose activations are kept are untouched.

@@ -80,8 +80,12 @@ def main() -> None:
     for row in args.rows.split(","):
         if row.startswith("packed-"):
             tokens = int(row.split("-")[1])
-            lengths = [2048, 1500, 1024, 700, 512, 1200, 800, 408][: tokens // 1024]
-            lengths.append(tokens - sum(lengths))
+            lengths, left = [], tokens
+            for n in (2048, 1500, 1024, 700, 512, 1200, 800, 408) * (tokens // 8192 + 1):
+                if left <= 0:
+                    break
+                lengths.append(min(n, left))
+                left -= lengths[-1]
         else:
             tokens, lengths = int(row), [int(row)]
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
