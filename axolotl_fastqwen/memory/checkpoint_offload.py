@@ -16,7 +16,8 @@ compute instead of in front of it:
   nothing of theirs moves, so auto keeps what fits, and the rest is recomputed from host memory.
 - host buffers are pinned once and reused: a buffer is free again only when autograd drops the
   saved input (after its backward), so several forwards before one backward stay correct; beyond
-  `host_fraction` of the host's memory, inputs stay on the device (counted in the report).
+  `host_limit` (by default `HOST_FRACTION` of the host's memory), inputs stay on the device
+  (counted in the report).
 
 Axolotl's `activation_offloading: hidden_states` is the peer: it marks each checkpointed layer's
 input by `id()` and restores it when the recompute asks, with the compute stream waiting for the
@@ -79,7 +80,6 @@ class CheckpointOffload:
     min_bytes: int = MIN_BYTES
     host_limit: int = field(default_factory=lambda: int(HOST_FRACTION * host_memory_bytes()))
     stats: OffloadStats = field(default_factory=OffloadStats)
-    _wrapped: dict[int, object] = field(default_factory=dict)  # id(layer) -> the function it had
     _free: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
     _order: list = field(default_factory=list)  # this forward's offloaded inputs, in order (weakrefs)
     _stream: object = None
@@ -93,7 +93,6 @@ class CheckpointOffload:
         for layer in self.layers:
             func = layer.__dict__.get("_gradient_checkpointing_func")
             if func is not None and not isinstance(func, _OffloadingCheckpoint):
-                self._wrapped[id(layer)] = func
                 layer._gradient_checkpointing_func = _OffloadingCheckpoint(func, self)
 
     def restore(self) -> None:
@@ -102,7 +101,6 @@ class CheckpointOffload:
             func = layer.__dict__.get("_gradient_checkpointing_func")
             if isinstance(func, _OffloadingCheckpoint):
                 layer._gradient_checkpointing_func = func.original
-        self._wrapped.clear()
         self._free.clear()
         self.stats.host_bytes = 0
 
