@@ -181,6 +181,13 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
 
 
+def allocated_gib(device: torch.device) -> float | None:
+    """What is allocated now: after a path's cleanup, what it left for the paths after it."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.memory_allocated(device) / 2**30, 2)
+
+
 def free_memory(device: torch.device) -> None:
     """Between paths: drop dead tensors and cached blocks so each path's peak is its own (GPU only:
     on a CPU run memory is not measured and a full gc pass costs ~0.5 s per call)."""

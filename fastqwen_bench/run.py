@@ -517,6 +517,12 @@ def run_path(setup: Setup, name: str, limit: float | None = None, record: dict |
     for p in setup.trainable:
         p.grad = None
     measure.free_memory(setup.device)
+    # the model, its LoRA and optimizer-free state: a later path's peak starts here (a path that ran out
+    # of memory and left more behind would show it, 2026-12-06e)
+    record["allocated_after_gib"] = measure.allocated_gib(setup.device)
+    if record["status"] == "oom":
+        record["notes"].append(f"after its cleanup {record['allocated_after_gib']} GiB stay allocated for the paths "
+                               "after it (the model's own memory, or what the failure left)")
     return record
 
 

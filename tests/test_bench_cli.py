@@ -34,7 +34,7 @@ TINY = ["--model", "tiny", "--device", "cpu", "--budget", "256", "--seed", "0"]
 PATH_KEYS = {
     "name", "layout", "status", "notes", "attempts", "launches", "calibration_loss", "step_losses",
     "tokens_per_s", "step_time_median_s", "mfu", "hfu", "peak_memory_gib", "recompiles_after_warmup",
-    "triton_after_warmup", "triton_during_warmup", "padding_fraction", "seconds",
+    "triton_after_warmup", "triton_during_warmup", "padding_fraction", "seconds", "allocated_after_gib",
 }
 
 
