@@ -136,6 +136,11 @@ PATHS: dict[str, PathSpec] = {
             "memory, prefetched one layer ahead in backward)",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+fp8+offload", "packed",
+            "fastqwen+ckpt-auto+lean with fastqwen_fp8 and fastqwen_checkpoint_offload: FP8's freed weight memory "
+            "and the offloaded inputs both go to kept layers (long rows, without the MLP chunks' third forward)",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "packed",
             "the plugin's least memory a token: fastqwen_fp8, fastqwen_checkpoint_offload and "
             "fastqwen_mlp_chunk_tokens: 8192 with auto and lean (long rows)",
@@ -166,14 +171,14 @@ LETTERS = {
     "t": "axolotl-best+fp8", "u": "fastqwen+ckpt-auto+lean+fp8-forward",
     "v": "axolotl-best+fp8-no-lora-kernels", "w": "fastqwen+ckpt-auto+lean+mlp-chunks",
     "x": "fastqwen+ckpt-auto+lean+offload", "y": "axolotl-best+offload",
-    "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
+    "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "A": "fastqwen+ckpt-auto+lean+fp8+offload",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
+    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
@@ -188,6 +193,7 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+fp8+offload": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8+offload+chunks": "fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto": "axolotl-best+fastqwen",
                       "axolotl-best+fastqwen+ckpt-auto+flash-qla": "axolotl-best+fastqwen",
@@ -201,14 +207,15 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
                     "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
-                    "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
+                    "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
 FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-       "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
+       "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_mlp_chunk_tokens, and its value
 MLP_CHUNKS = {"fastqwen+ckpt-auto+lean+mlp-chunks": 8192, "fastqwen+ckpt-auto+lean+fp8+offload+chunks": 8192}
 # paths with fastqwen_checkpoint_offload (patch_model(checkpoint_offload=True))
-CHECKPOINT_OFFLOAD = ("fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
+CHECKPOINT_OFFLOAD = ("fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
+                      "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
 FP8_BF16_INPUT_GRADIENT = ("fastqwen+ckpt-auto+lean+fp8-forward",)
 # paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the

@@ -77,13 +77,14 @@ def test_bench_writes_complete_json(bench):
         "fastqwen+ckpt-auto+torch-norms", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
         "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+mlp-chunks",
-        "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
-        "fastqwen+ckpt-auto+lean+fp8-forward", "stock-moe-eager", "stock-moe-grouped-mm",
+        "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
+        "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "fastqwen+ckpt-auto+lean+fp8-forward", "stock-moe-eager", "stock-moe-grouped-mm",
     ]
     for name in ("axolotl-best+fastqwen+ckpt-auto+flash-qla", "axolotl-best+fastqwen+ckpt-auto+lean",
                  "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
                  "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
-                 "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-best+offload"):
+                 "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
+                 "axolotl-best+offload"):
         assert _path(result, name)["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
@@ -303,6 +304,7 @@ def test_parse_paths_letters_and_order():
     assert parse_paths("l,m,k") == ["fastqwen+ckpt-auto", "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto"]
     assert parse_paths("x,y,z") == ["fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
                                     "axolotl-best+offload"]
+    assert parse_paths("A,x") == ["fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload"]
     with pytest.raises(ValueError, match="f=axolotl-best"):
         parse_paths("zz")
 
