@@ -377,10 +377,13 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
                 record["checkpointing"] = fitter.to_dict()
             return loss
 
-        losses, warm = [], []
+        losses, warm, ran = [], [], []
         for i, row in enumerate(warm_rows):
+            if row > n_common and fitter is not None and fitter.phase in ("settled", "off"):
+                continue  # settled early: the fitting rows left would only repeat a warm-up (a minute a step at 128k)
             seconds, loss = _timed(lambda row=row: step(row), device)
             warm.append(seconds)
+            ran.append(row)
             losses.append(loss)
             log(f"[{name}] warm-up {i + 1}/{warmup}: {seconds:.2f} s, loss {loss:.4f}"
                 + (f"; checkpointing: {fitter.summary()}" if fitter is not None else ""))
@@ -404,7 +407,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         log(f"[{name}] profiled step: {prof['launches']['count']} {prof['launches']['unit']}, "
             f"GPU kernel time {prof['launches']['gpu_kernel_ms']} ms")
         times, tokens, flops_model, flops_hw, slots = [], [], 0.0, 0.0, []
-        record["rows"] = {"warmup": warm_rows[:len(warm)], "profiled": w, "timed": []}
+        record["rows"] = {"warmup": ran, "profiled": w, "timed": []}
         for j in range(args.steps):
             k = w + 1 + j
             record["rows"]["timed"].append(k)

@@ -371,7 +371,7 @@ def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_o
     assert m["calibration_loss"] == e["calibration_loss"]
     # its fitting steps ran on extra rows: the timed rows are path e's (same tokens, same slots)
     assert m["rows"]["timed"] == e["rows"]["timed"] == [1] and m["rows"]["profiled"] == e["rows"]["profiled"] == 0
-    assert m["rows"]["warmup"] == [2, 3, 4, 5, 6] and e["rows"]["warmup"] == []
+    assert m["rows"]["warmup"] == [2] and e["rows"]["warmup"] == []  # fitting rows past the common ones; off: one
     assert m["real_tokens_per_step"] == e["real_tokens_per_step"]
     assert "fastqwen_checkpointing: auto" in (tmp_path / "bench.md").read_text()
     rc = bench_cli(["bench", *TINY, "--paths", "m", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "nogc")])
