@@ -41,10 +41,14 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
                      f"in chunks of that many, each recomputed in backward ({chunks['chunked_forwards']} chunked "
                      "forwards so far)")
     offload = d.get("checkpoint_offload")
-    if offload is not None and not offload["offloaded_inputs"]:
+    if offload is not None and offload.get("mode") == "auto" and not offload["active"]:
+        lines.append(f"  checkpoint offload: auto, {offload['why'] or 'off until a training forward decides'}")
+    elif offload is not None and not offload["offloaded_inputs"]:
         lines.append("  checkpoint offload: on (recomputed layers' inputs to pinned host memory, prefetched one layer "
                      "ahead in backward; nothing moved yet)")
     elif offload is not None:
+        if offload.get("mode") == "auto":
+            lines.append(f"  checkpoint offload: auto, {offload['why']}")
         lines.append(f"  checkpoint offload: {offload['last_forward_inputs']} recomputed layers' inputs in pinned host "
                      f"memory at the last training forward ({offload['last_forward_gib']} GiB; "
                      f"{offload['prefetched']} of {offload['restored']} restores prefetched one layer ahead; "

@@ -258,7 +258,9 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     fp8 = budget if name in FP8 else None
     input_gradient = "bf16" if name in FP8_BF16_INPUT_GRADIENT else "fp8"
     mlp_chunk_tokens = MLP_CHUNKS.get(name)
-    offload = name in CHECKPOINT_OFFLOAD
+    # the plugin line's default is `auto` (on where the checkpointed inputs would crowd the device): the lean
+    # paths are the line's defaults plus what each names
+    offload = True if name in CHECKPOINT_OFFLOAD else "auto" if name in LEAN_ACTIVATIONS else False
     if name in CHECKPOINTING_AUTO:
         if not gc:
             raise PathSkipped("fastqwen_checkpointing: auto chooses which layers recompute: run with --gc")
@@ -393,7 +395,7 @@ def fla_gdn_dispatch() -> str:
 @contextlib.contextmanager
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
             lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
-            mlp_chunk_tokens: int | None = None, checkpoint_offload: bool = False) -> Iterator[None]:
+            mlp_chunk_tokens: int | None = None, checkpoint_offload: bool | str = False) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")

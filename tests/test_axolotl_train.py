@@ -299,6 +299,28 @@ def test_checkpoint_offload_trains_with_the_losses_of_a_run_without_it(tmp_path)
     assert moved["last_forward_inputs"] == 4 and moved["restored"] >= 4 * 3, moved  # full recompute on a CPU
     assert moved["prefetched"] == moved["restored"] - 3, moved  # each backward's first restore has no one ahead
     assert "checkpoint offload: on (recomputed layers' inputs to pinned host memory" in log  # the load report
+    # the default, auto, on a CPU: no device memory to crowd, nothing moved
+    left = report(plain)["kernels"]["checkpoint_offload"]
+    assert left["mode"] == "auto" and not left["active"] and left["offloaded_inputs"] == 0, left
+    assert left["why"] == "off: no device memory to spare on cpu", left
+
+
+def test_checkpoint_offload_auto_turns_on_where_the_inputs_would_crowd_the_device(tmp_path):
+    """The default `fastqwen_checkpoint_offload: auto` through Axolotl, on a CPU made to read as a
+    device of 1 byte (tests/offload_on_cpu.py): the first training forward's inputs cannot fit, so
+    the offload turns on there and the run trains with the losses of a run without it."""
+    tests = str(ROOT / "tests")
+    plain, auto = tmp_path / "plain", tmp_path / "auto"
+    plain.mkdir(), auto.mkdir()
+    plugins = ["offload_on_cpu.OffloadOnCpu", "axolotl_fastqwen.FastQwenPlugin"]
+    reference = train_losses(train(config(plain, plugins=plugins, gradient_checkpointing=True,
+                                          fastqwen_checkpoint_offload=False), env_extra={"PYTHONPATH": tests}))
+    log = train(config(auto, plugins=plugins, gradient_checkpointing=True),
+                env_extra={"PYTHONPATH": tests, "FASTQWEN_TEST_DEVICE_BYTES": "1"})
+    assert train_losses(log) == reference and len(reference) == 3, (train_losses(log), reference)
+    moved = report(auto)["kernels"]["checkpoint_offload"]
+    assert moved["mode"] == "auto" and moved["active"] and moved["last_forward_inputs"] == 4, moved
+    assert moved["why"].startswith("on: 4 recomputed layers' inputs"), moved
     assert report(plain)["kernels"]["checkpoint_offload"] is None
 
 

@@ -141,3 +141,66 @@ def test_a_checkpoint_function_set_after_patching_is_wrapped_and_unpatch_gives_i
     assert report.offload.stats.offloaded == LAYERS
     unpatch_model(model)
     assert all(layer._gradient_checkpointing_func is f for layer, f in zip(layers, given))
+
+
+def auto_offload(model, device_bytes, allocated=0):
+    """Patch with `checkpoint_offload="auto"`, deciding as if the CPU were a device of `device_bytes`
+    with `allocated` in use (a CPU has no device memory: there `auto` stays off)."""
+    report = patch_model(model, checkpoint_offload="auto", log=False)
+    report.offload.devices, report.offload.min_bytes = ("cpu",), 1
+    report.offload.device_memory = lambda device: (allocated, device_bytes)
+    return report
+
+
+@pytest.mark.parametrize("kept", [0, 3])
+def test_auto_moves_nothing_where_the_inputs_fit_and_everything_where_they_crowd_the_device(kept):
+    """`auto` sums the inputs the recomputed layers will keep (layers x tokens x hidden x the
+    residual's bytes) with what is allocated, against 75% of the device: just under, nothing
+    moves; just over, it turns on at that very forward, for good, with the run's bits."""
+    model = eight_layer_lora_model()
+    batch = packed_batch(sequences(model.config.vocab_size))
+    patch_model(model, log=False)
+    keep_last(model, kept)
+    plain = step(model, batch)
+    unpatch_model(model)
+    recomputed = LAYERS - kept
+    inputs = recomputed * batch["input_ids"].numel() * model.config.hidden_size * 4  # fp32 toy
+    allocated = 1000
+
+    report = auto_offload(model, device_bytes=int((allocated + inputs) / 0.75) + 8, allocated=allocated)
+    keep_last(model, kept)
+    assert_same(step(model, batch), plain)
+    assert report.offload.stats.offloaded == 0 and not report.offload.active
+    assert report.offload.why.startswith(f"off: {recomputed} recomputed layers' inputs")
+    assert "checkpoint offload: auto, off:" in report.format()
+    unpatch_model(model)
+
+    report = auto_offload(model, device_bytes=int((allocated + inputs) / 0.75) - 8, allocated=allocated)
+    keep_last(model, kept)
+    assert_same(step(model, batch), plain)
+    assert report.offload.active and report.offload.stats.offloaded == recomputed
+    assert report.offload.why.startswith(f"on: {recomputed} recomputed layers' inputs")
+    report.offload.device_memory = lambda device: (0, 1 << 60)  # once on, it stays on
+    assert_same(step(model, batch), plain)
+    assert report.offload.stats.offloaded == 2 * recomputed
+    text = report.format()
+    assert "checkpoint offload: auto, on:" in text and f"{recomputed} recomputed layers' inputs in pinned" in text
+    unpatch_model(model)
+
+
+def test_auto_stays_off_on_a_cpu_and_without_recomputed_layers():
+    model = eight_layer_lora_model()
+    batch = packed_batch(sequences(model.config.vocab_size))
+    report = patch_model(model, checkpoint_offload="auto", log=False)
+    step(model, batch)  # a CPU: the default memory reader has no device memory to read
+    assert not report.offload.active and report.offload.why == "off: nothing to move on cpu"
+    report.offload.devices = ("cpu",)
+    step(model, batch)
+    assert not report.offload.active and report.offload.why == "off: no device memory to spare on cpu"
+    report.offload.device_memory = lambda device: (0, 1)
+    keep_last(model, LAYERS)
+    step(model, batch)
+    assert not report.offload.active and report.offload.why == "off: no layer is recomputed"
+    unpatch_model(model)
+    with pytest.raises(ValueError, match="False, True or 'auto'"):
+        patch_model(model, checkpoint_offload="on", log=False)

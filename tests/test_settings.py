@@ -318,7 +318,9 @@ def test_mlp_chunk_tokens_reaches_the_settings_and_must_be_positive():
 
 
 def test_checkpoint_offload_needs_checkpointing_and_refuses_a_second_offloader():
-    assert not settle(gradient_checkpointing=True)[0].checkpoint_offload
+    assert settle(gradient_checkpointing=True)[0].checkpoint_offload == "auto"  # the default: decided at the forward
+    assert settle(gradient_checkpointing=True, fastqwen_checkpoint_offload=False)[0].checkpoint_offload is False
+    assert settle(gradient_checkpointing=False)[0].checkpoint_offload is False  # auto: nothing to move
     settings = settle(gradient_checkpointing=True, fastqwen_checkpoint_offload=True)[0]
     assert settings.checkpoint_offload and settings.checkpointing == "auto"  # auto sizes itself with it on
     with pytest.raises(ConfigError) as err:
@@ -330,6 +332,12 @@ def test_checkpoint_offload_needs_checkpointing_and_refuses_a_second_offloader()
             settle(**{"gradient_checkpointing": True, **cfg}, fastqwen_checkpoint_offload=True)
         assert "two offloaders would each copy them" in str(err.value), cfg
         assert "    activation_offloading: false" in str(err.value)
+        settings = settle(**{"gradient_checkpointing": True, **cfg})[0]  # auto steps aside for Axolotl's, and says so
+        assert settings.checkpoint_offload is False, cfg
+        assert any(n.startswith("fastqwen_checkpoint_offload: auto is off: Axolotl's activation offloading")
+                   for n in settings.notes), cfg
+    with pytest.raises(Exception, match="fastqwen_checkpoint_offload"):
+        settle(gradient_checkpointing=True, fastqwen_checkpoint_offload="always")
 
 
 def test_axolotls_hidden_states_offload_composes_with_auto():

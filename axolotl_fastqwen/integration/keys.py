@@ -67,13 +67,15 @@ class FastQwenArgs(BaseModel):
         "layer never has more than a chunk's alive; the same result, for one more MLP forward in every layer "
         "(0.93x the defaults at 16k-token rows on an H100): a memory lever for rows that do not fit otherwise. "
         "Unset: off. MoE models have no dense MLP (the report says so)."))
-    fastqwen_checkpoint_offload: bool = Field(default=False, json_schema_extra=_about(
+    fastqwen_checkpoint_offload: bool | Literal["auto"] = Field(default="auto", json_schema_extra=_about(
         "With gradient_checkpointing: the input each recomputed decoder layer keeps for its recompute (hidden_size "
         "values a token a layer: 20 GiB over the 27B's 64 layers at 32k tokens) goes to pinned host memory while "
         "the layer runs and comes back one layer ahead in backward, both copies beside the compute; the layers "
         "fastqwen_checkpointing: auto keeps are untouched, and auto sizes itself with the offload on. Long rows: "
-        "what stops them first is these inputs. Refuses Axolotl's activation_offloading (it moves the same "
-        "tensors: pick one)."))
+        "what stops them first is these inputs. auto (default): on from the first training forward whose inputs "
+        "would take the GPU past 75% of its memory beside what is allocated, else nothing moves; off where "
+        "Axolotl's activation_offloading is set. true: always (refuses Axolotl's activation_offloading: it moves "
+        "the same tensors, pick one). false: never."))
     fastqwen_fp8_input_gradient: Literal["fp8", "fp8-1x128", "bf16"] = Field(default="fp8", json_schema_extra=_about(
         "With fastqwen_fp8: how the input gradients dy·W of the FP8 projections run. fp8: on FP8 GEMMs, dy "
         "quantized per token (the fastest); fp8-1x128: dy quantized per 1x128 block (DeepSeek-V3's tiles: an "

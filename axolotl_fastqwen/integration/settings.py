@@ -133,7 +133,7 @@ class Settings:
     fp8: bool  # fastqwen_fp8: the frozen projections on FP8 GEMMs
     fp8_input_gradient: str  # fastqwen_fp8_input_gradient: how their input gradients run
     mlp_chunk_tokens: int | None  # fastqwen_mlp_chunk_tokens: dense MLPs over token chunks at long rows
-    checkpoint_offload: bool  # fastqwen_checkpoint_offload: recomputed layers' inputs in host memory
+    checkpoint_offload: bool | Literal["auto"]  # fastqwen_checkpoint_offload: recomputed layers' inputs in host memory
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -340,7 +340,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     if chunk is not None and chunk >= most:
         notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "
                      f"MLP runs in chunks (set it below that, e.g. {max(64, most // 4)}, to use it)")
-    offload = _checkpoint_offload(cfg, args.fastqwen_checkpoint_offload, checkpointing, patch_layers)
+    offload = _checkpoint_offload(cfg, args.fastqwen_checkpoint_offload, checkpointing, patch_layers, notes)
     if args.fastqwen_fp8_input_gradient != "fp8" and not fp8:
         raise ConfigError(f"`fastqwen_fp8_input_gradient: {args.fastqwen_fp8_input_gradient}`",
                           "it says how the FP8 projections' input gradients run, and fastqwen_fp8 is off.",
@@ -421,12 +421,20 @@ def _takeover_why(budget: int, sequence_len: int, micro_batch_size: int) -> str:
             "across one; the step composition changes: steps per epoch, warm-up and eval/save cadence in steps")
 
 
-def _checkpoint_offload(cfg: Mapping, wanted: bool, checkpointing: str, patch_layers: bool) -> bool:
-    """`fastqwen_checkpoint_offload`: refused where there is nothing of its own to move."""
+def _checkpoint_offload(cfg: Mapping, wanted: bool | str, checkpointing: str, patch_layers: bool,
+                        notes: list[str]) -> bool | str:
+    """`fastqwen_checkpoint_offload`: `true` is refused where there is nothing of its own to move;
+    `auto` (the default) steps aside there, with a note where Axolotl's offloader is the reason."""
     if not wanted:
         return False
     offloading = cfg.get("activation_offloading")
-    if _on(offloading) or cfg.get("gradient_checkpointing") in ("offload", "offload_disk"):
+    axolotls = _on(offloading) or cfg.get("gradient_checkpointing") in ("offload", "offload_disk")
+    if wanted == "auto":
+        if axolotls and checkpointing != "off" and patch_layers:
+            notes.append("fastqwen_checkpoint_offload: auto is off: Axolotl's activation offloading moves the "
+                         "recomputed layers' inputs itself")
+        return "auto" if patch_layers and checkpointing != "off" and not axolotls else False
+    if axolotls:
         key = (f"activation_offloading: {offloading}" if _on(offloading)
                else f"gradient_checkpointing: {cfg.get('gradient_checkpointing')}")
         raise ConfigError(f"`fastqwen_checkpoint_offload: true` with `{key}`",

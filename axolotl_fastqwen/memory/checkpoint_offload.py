@@ -19,6 +19,12 @@ compute instead of in front of it:
   `host_limit` (by default `HOST_FRACTION` of the host's memory), inputs stay on the device
   (counted in the report).
 
+`auto` (the plugin's default) moves nothing until a training forward's checkpointed inputs would
+take the device past `AUTO_FRACTION` of its memory beside what is already allocated (the weights,
+the optimizer's state, the batch): where they fit, the copies would only cost PCIe time and pinned
+host memory; where they do not, the row would run out of memory (the 27B at 32k-token rows on an
+80 GB card: 50 GiB of weights and 20 GiB of inputs). Once on, it stays on.
+
 Axolotl's `activation_offloading: hidden_states` is the peer: it marks each checkpointed layer's
 input by `id()` and restores it when the recompute asks, with the compute stream waiting for the
 copy (no prefetch).
@@ -37,11 +43,23 @@ from torch.autograd.graph import saved_tensors_hooks
 
 MIN_BYTES = 1 << 20  # smaller saved inputs stay where they are: a copy costs more than it frees
 HOST_FRACTION = 0.5  # of the host's physical memory, at most, pinned for layer inputs
+# `auto` turns on where allocated memory plus the checkpointed inputs would pass this share of the device:
+# the rest is the room one layer's recompute and backward need (13 GiB of an 80 GB card for the 27B at
+# 32k tokens, H100, benchmarks/h100/2026-12-06f)
+AUTO_FRACTION = 0.75
 
 
 def host_memory_bytes() -> int:
     """The host's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cuda_memory(device: torch.device) -> tuple[int, int] | None:
+    """(bytes allocated by PyTorch, the device's total) on a CUDA device (host-side counters, no sync);
+    None elsewhere: a CPU's tensors are in host memory already."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
 
 
 class _Offloaded:
@@ -79,10 +97,18 @@ class CheckpointOffload:
     devices: tuple[str, ...] = ("cuda",)
     min_bytes: int = MIN_BYTES
     host_limit: int = field(default_factory=lambda: int(HOST_FRACTION * host_memory_bytes()))
+    auto: bool = False  # move nothing until a forward's inputs would crowd the device (`decide`)
+    device_memory: object = cuda_memory  # device -> (allocated, total) bytes or None, for `auto`
+    active: bool | None = None  # moving inputs now (always, unless `auto` has not turned it on)
+    why: str | None = None  # `auto`'s last verdict, for the report
     stats: OffloadStats = field(default_factory=OffloadStats)
     _free: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
     _order: list = field(default_factory=list)  # this forward's offloaded inputs, in order (weakrefs)
     _stream: object = None
+
+    def __post_init__(self):
+        if self.active is None:
+            self.active = not self.auto
 
     # ---- installation -----------------------------------------------------------------------
     def sync_layers(self) -> None:
@@ -95,6 +121,35 @@ class CheckpointOffload:
             if func is not None and not isinstance(func, _OffloadingCheckpoint):
                 layer._gradient_checkpointing_func = _OffloadingCheckpoint(func, self)
 
+    def decide(self, layer_input_bytes: int, device: torch.device) -> bool:
+        """`auto`: turn on (for good) if this training forward's checkpointed inputs, `layer_input_bytes`
+        per layer whose checkpointing is on, would take allocated memory past `AUTO_FRACTION` of the
+        device. Returns whether the offload is on."""
+        if self.active:
+            return True
+        if device.type not in self.devices:
+            self.why = f"off: nothing to move on {device.type}"
+            return False
+        recomputed = sum(1 for layer in self.layers if getattr(layer, "gradient_checkpointing", False)
+                         and layer.__dict__.get("_gradient_checkpointing_func") is not None)
+        if not recomputed:
+            self.why = "off: no layer is recomputed"
+            return False
+        memory = self.device_memory(device)
+        if memory is None:
+            self.why = f"off: no device memory to spare on {device.type}"
+            return False
+        allocated, total = memory
+        inputs = recomputed * layer_input_bytes
+        verdict = (f"{recomputed} recomputed layers' inputs, {inputs / 1024**3:.1f} GiB, beside "
+                   f"{allocated / 1024**3:.1f} GiB allocated")
+        limit = AUTO_FRACTION * total
+        self.active = allocated + inputs > limit
+        self.why = (f"on: {verdict} would pass {AUTO_FRACTION:.0%} of the device's {total / 1024**3:.1f} GiB"
+                    if self.active else f"off: {verdict} stay under {AUTO_FRACTION:.0%} of the device's "
+                                        f"{total / 1024**3:.1f} GiB")
+        return self.active
+
     def restore(self) -> None:
         """Each layer's own checkpoint function back."""
         for layer in self.layers:
@@ -106,7 +161,7 @@ class CheckpointOffload:
 
     # ---- the hooks --------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor):
-        if (tensor.device.type not in self.devices or isinstance(tensor, nn.Parameter)
+        if (not self.active or tensor.device.type not in self.devices or isinstance(tensor, nn.Parameter)
                 or tensor.numel() * tensor.element_size() < self.min_bytes or not tensor.is_contiguous()):
             return tensor
         buffer = self._buffer_like(tensor)
@@ -187,7 +242,8 @@ class CheckpointOffload:
     def to_dict(self) -> dict:
         s = self.stats
         last = [h() for h in self._order]
-        return {"last_forward_inputs": len(last),
+        return {"mode": "auto" if self.auto else "on", "active": self.active, "why": self.why,
+                "last_forward_inputs": len(last),
                 "last_forward_gib": round(sum(h.buffer.numel() * h.buffer.element_size() for h in last if h is not None)
                                           / 1024**3, 3),
                 "offloaded_inputs": s.offloaded, "offloaded_gib": round(s.offloaded_bytes / 1024**3, 3),

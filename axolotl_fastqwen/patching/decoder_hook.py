@@ -50,6 +50,7 @@ class DecoderPreHook:
         if module.training:
             kwargs["use_cache"] = False
             if self.offload is not None:
+                self._offload_decision(args, kwargs)
                 self.offload.sync_layers()
         self.context.last_boundaries = kwargs.get(BOUNDARIES_KWARG)
         if self.context.last_boundaries is not None:
@@ -94,6 +95,19 @@ class DecoderPreHook:
         for note in (self.lora_cast.describe(), self.expert_adapters and self.expert_adapters.describe()):
             if note and note not in self.report.kernels.notes:
                 self.report.kernels.notes.append(note)
+
+    def _offload_decision(self, args, kwargs) -> None:
+        """`fastqwen_checkpoint_offload: auto`: each recomputed layer will keep a `[tokens, hidden]` input
+        in the residual stream's dtype (the input embeddings'); the offload decides on that."""
+        if not self.offload.auto or self.offload.active:
+            return
+        shape = _input_shape(args, kwargs)
+        embeddings = self.base.get_input_embeddings()
+        if shape is None or embeddings is None or not all(type(d) is int for d in shape):
+            return
+        weight = embeddings.weight
+        tokens = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        self.offload.decide(tokens * weight.shape[-1] * weight.element_size(), _input_device(args, kwargs))
 
     def _record_shape(self, training: bool, args, kwargs) -> None:
         shape = _input_shape(args, kwargs)

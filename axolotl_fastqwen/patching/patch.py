@@ -162,7 +162,7 @@ def patch_model(
     fp8_keep_transposed: bool = False,
     fp8_input_gradient: str = "fp8",
     mlp_chunk_tokens: int | None = None,
-    checkpoint_offload: bool = False,
+    checkpoint_offload: bool | str = False,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -188,7 +188,8 @@ def patch_model(
         intermediates, for one more MLP forward per layer (kept or recomputed). None: off. MoE models have no dense MLP.
     checkpoint_offload: under gradient checkpointing, the inputs of the recomputed decoder layers go to
         pinned host memory as their forward runs and come back one layer ahead in backward
-        (`memory/checkpoint_offload.py`); layers whose activations are kept are untouched.
+        (`memory/checkpoint_offload.py`); layers whose activations are kept are untouched. "auto": only
+        once a training forward's inputs would take the device past 75% of its memory (on from then on).
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -216,8 +217,10 @@ def patch_model(
     lora_cast = LoraInputCast(base)
     expert_adapters = ExpertAdapters(base)
     decoder_layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
+    if checkpoint_offload not in (False, True, "auto"):
+        raise ValueError(f"checkpoint_offload={checkpoint_offload!r}: False, True or 'auto'")
     if checkpoint_offload:
-        report.offload = CheckpointOffload(decoder_layers)
+        report.offload = CheckpointOffload(decoder_layers, auto=checkpoint_offload == "auto")
     hook = DecoderPreHook(report, base, lora_cast, context, expert_adapters, offload=report.offload)
     hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base.modules() if type(m) in plan.decoder]
     if not hooks:
