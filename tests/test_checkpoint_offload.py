@@ -179,6 +179,8 @@ def test_auto_moves_nothing_where_the_inputs_fit_and_everything_where_they_crowd
     keep_last(model, kept)
     assert_same(step(model, batch), plain)
     assert report.offload.active and report.offload.stats.offloaded == recomputed
+    # what the last forward moved, still counted after its backward dropped the handles
+    assert report.offload.to_dict()["last_forward_bytes"] == inputs
     assert report.offload.why.startswith(f"on: {recomputed} recomputed layers' inputs")
     report.offload.device_memory = lambda device: (0, 1 << 60)  # once on, it stays on
     assert_same(step(model, batch), plain)

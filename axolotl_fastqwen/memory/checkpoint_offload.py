@@ -104,6 +104,7 @@ class CheckpointOffload:
     stats: OffloadStats = field(default_factory=OffloadStats)
     _free: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
     _order: list = field(default_factory=list)  # this forward's offloaded inputs, in order (weakrefs)
+    _order_bytes: int = 0  # what they hold (the handles die with their backward; this stays for the report)
     _stream: object = None
 
     def __post_init__(self):
@@ -115,7 +116,7 @@ class CheckpointOffload:
         """Wrap each layer's checkpoint function (transformers sets it on every layer in
         `gradient_checkpointing_enable`, which trainers call after the model is patched); start a
         new forward's order."""
-        self._order = []
+        self._order, self._order_bytes = [], 0
         for layer in self.layers:
             func = layer.__dict__.get("_gradient_checkpointing_func")
             if func is not None and not isinstance(func, _OffloadingCheckpoint):
@@ -178,6 +179,7 @@ class CheckpointOffload:
             tensor.record_stream(stream)  # its memory is not reused before the copy is done
         handle = _Offloaded(self, buffer, tensor.device, self._order, len(self._order))
         self._order.append(weakref.ref(handle))
+        self._order_bytes += buffer.numel() * buffer.element_size()
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += buffer.numel() * buffer.element_size()
         return handle
@@ -241,11 +243,9 @@ class CheckpointOffload:
 
     def to_dict(self) -> dict:
         s = self.stats
-        last = [h() for h in self._order]
         return {"mode": "auto" if self.auto else "on", "active": self.active, "why": self.why,
-                "last_forward_inputs": len(last),
-                "last_forward_gib": round(sum(h.buffer.numel() * h.buffer.element_size() for h in last if h is not None)
-                                          / 1024**3, 3),
+                "last_forward_inputs": len(self._order), "last_forward_bytes": self._order_bytes,
+                "last_forward_gib": round(self._order_bytes / 1024**3, 3),
                 "offloaded_inputs": s.offloaded, "offloaded_gib": round(s.offloaded_bytes / 1024**3, 3),
                 "restored": s.restored, "prefetched": s.prefetched, "kept_on_device": s.kept_on_device,
                 "pinned_host_gib": round(s.host_bytes / 1024**3, 3),
