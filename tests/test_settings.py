@@ -340,6 +340,20 @@ def test_checkpoint_offload_needs_checkpointing_and_refuses_a_second_offloader()
         settle(gradient_checkpointing=True, fastqwen_checkpoint_offload="always")
 
 
+@pytest.mark.parametrize("env, cfg, why", [
+    (Environment(2, 2, True), {}, "2 processes would each pin up to half the host's memory"),
+    (GPU, {"torch_compile": True}, "torch_compile set: the offload is validated on one unsharded, uncompiled model"),
+    (GPU, {"deepspeed": "zero2.json"}, "deepspeed set"),
+])
+def test_checkpoint_offload_auto_steps_aside_where_it_was_not_validated(env, cfg, why):
+    settings = settle(env, gradient_checkpointing=True, **cfg)[0]
+    assert settings.checkpoint_offload is False
+    assert any(n.startswith("fastqwen_checkpoint_offload: auto is off: ") and why in n for n in settings.notes), \
+        settings.notes
+    if not cfg:  # `true` is the user's to set
+        assert settle(env, gradient_checkpointing=True, fastqwen_checkpoint_offload=True)[0].checkpoint_offload
+
+
 def test_axolotls_hidden_states_offload_composes_with_auto():
     """`activation_offloading: hidden_states` keeps gradient checkpointing and offloads the inputs of the
     layers whose flag is on: those auto recomputes. The others step auto aside as before."""

@@ -340,7 +340,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     if chunk is not None and chunk >= most:
         notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "
                      f"MLP runs in chunks (set it below that, e.g. {max(64, most // 4)}, to use it)")
-    offload = _checkpoint_offload(cfg, args.fastqwen_checkpoint_offload, checkpointing, patch_layers, notes)
+    offload = _checkpoint_offload(cfg, args.fastqwen_checkpoint_offload, checkpointing, patch_layers, notes, env)
     if args.fastqwen_fp8_input_gradient != "fp8" and not fp8:
         raise ConfigError(f"`fastqwen_fp8_input_gradient: {args.fastqwen_fp8_input_gradient}`",
                           "it says how the FP8 projections' input gradients run, and fastqwen_fp8 is off.",
@@ -422,18 +422,29 @@ def _takeover_why(budget: int, sequence_len: int, micro_batch_size: int) -> str:
 
 
 def _checkpoint_offload(cfg: Mapping, wanted: bool | str, checkpointing: str, patch_layers: bool,
-                        notes: list[str]) -> bool | str:
+                        notes: list[str], env: Environment) -> bool | str:
     """`fastqwen_checkpoint_offload`: `true` is refused where there is nothing of its own to move;
-    `auto` (the default) steps aside there, with a note where Axolotl's offloader is the reason."""
+    `auto` (the default) steps aside there, and where it was not validated, with a note saying why."""
     if not wanted:
         return False
     offloading = cfg.get("activation_offloading")
     axolotls = _on(offloading) or cfg.get("gradient_checkpointing") in ("offload", "offload_disk")
     if wanted == "auto":
-        if axolotls and checkpointing != "off" and patch_layers:
-            notes.append("fastqwen_checkpoint_offload: auto is off: Axolotl's activation offloading moves the "
-                         "recomputed layers' inputs itself")
-        return "auto" if patch_layers and checkpointing != "off" and not axolotls else False
+        if not patch_layers or checkpointing == "off":
+            return False  # nothing is recomputed by the plugin's layers: nothing to move
+        why = []
+        if axolotls:
+            why.append("Axolotl's activation offloading moves the recomputed layers' inputs itself")
+        if env.processes > 1:
+            why.append(f"{env.processes} processes would each pin up to half the host's memory (set "
+                       "fastqwen_checkpoint_offload: true to offload in each)")
+        unvalidated = [k for k in (*SHARDING_KEYS, "torch_compile") if _on(cfg.get(k))]
+        if unvalidated:
+            why.append(f"{', '.join(unvalidated)} set: the offload is validated on one unsharded, uncompiled model")
+        if why:
+            notes.append(f"fastqwen_checkpoint_offload: auto is off: {'; '.join(why)}")
+            return False
+        return "auto"
     if axolotls:
         key = (f"activation_offloading: {offloading}" if _on(offloading)
                else f"gradient_checkpointing: {cfg.get('gradient_checkpointing')}")
