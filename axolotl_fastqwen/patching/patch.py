@@ -189,7 +189,8 @@ def patch_model(
     checkpoint_offload: under gradient checkpointing, the inputs of the recomputed decoder layers go to
         pinned host memory as their forward runs and come back one layer ahead in backward
         (`memory/checkpoint_offload.py`); layers whose activations are kept are untouched. "auto": only
-        once a training forward's inputs would take the device past 75% of its memory (on from then on).
+        once a training forward's inputs would take the device past `AUTO_FRACTION` of its memory (on
+        from then on).
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
