@@ -179,9 +179,10 @@ class CheckpointOffload:
             tensor.record_stream(stream)  # its memory is not reused before the copy is done
         handle = _Offloaded(self, buffer, tensor.device, self._order, len(self._order))
         self._order.append(weakref.ref(handle))
-        self._order_bytes += buffer.numel() * buffer.element_size()
+        size = buffer.numel() * buffer.element_size()
+        self._order_bytes += size
         self.stats.offloaded += 1
-        self.stats.offloaded_bytes += buffer.numel() * buffer.element_size()
+        self.stats.offloaded_bytes += size
         return handle
 
     def unpack(self, saved):
