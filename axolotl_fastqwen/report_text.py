@@ -87,12 +87,16 @@ def _fp8_lines(fp8: dict | None) -> list[str]:
         return []
     gib = 1024 ** 3
     dy = INPUT_GRADIENT_TEXT.get(fp8.get("input_gradient"), fp8.get("input_gradient"))
-    lines = [f"  fp8 frozen GEMMs: {fp8['modules_fp8']} projections in FP8 (e4m3; weights per output channel, "
+    stacks = fp8.get("expert_stacks_fp8") or 0
+    experts = (f" and {stacks} routed-expert stacks (grouped GEMMs, "
+               f"{INPUT_GRADIENT_TEXT.get(fp8.get('experts_input_gradient'), fp8.get('experts_input_gradient'))})"
+               if stacks else "")
+    lines = [f"  fp8 frozen GEMMs: {fp8['modules_fp8']} projections{experts} in FP8 (e4m3; weights per output channel, "
              f"inputs per token, {dy}); GPU weights {fp8['bf16_bytes_freed'] / gib:.2f} GiB bf16 -> "
              f"{fp8['fp8_bytes'] / gib:.2f} GiB FP8, bf16 copy on host ({fp8['host_bytes'] / gib:.2f} GiB) for "
              "unpatch_model"]
     for role, row in fp8["projections"].items():
-        shape = "x".join(map(str, row["shape"]))
+        shape = "x".join(map(str, row["shape"])) if row["shape"] else "-"
         lines.append(f"    {role:<24} {shape:<12} {'fp8' if row['fp8'] else 'bf16':<5} {row['why']}")
     return lines
 

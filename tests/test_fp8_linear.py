@@ -351,6 +351,8 @@ from axolotl_fastqwen.ops.fp8_transpose import transpose_triton
 torch.manual_seed(0)
 w = torch.randn(130, 77).to(torch.float8_e4m3fn)  # tiles cut at both edges
 assert torch.equal(transpose_triton(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
+stack = torch.randn(3, 130, 77).to(torch.float8_e4m3fn)  # the routed experts' stack: one matrix per z
+assert torch.equal(transpose_triton(stack).view(torch.uint8), stack.transpose(1, 2).contiguous().view(torch.uint8))
 x = (torch.randn(37, 300) * 3).to(torch.bfloat16)
 x[5] = 0
 col = torch.rand(300) + 0.5
@@ -359,6 +361,11 @@ for c in (None, col):
     qr, sr = quantize_rows_reference(x, col_scale=c)
     assert q.shape == qr.shape == (48, 300) and torch.equal(s, sr), (s - sr).abs().max()
     assert torch.equal(q[37:].float(), qr[37:].float())
+groups = torch.tensor([2, 0, 1] * 12 + [2])  # each row scaled by its own group's column factors
+cols = torch.rand(3, 300) + 0.5
+q, s = quantize_rows_triton(x, col_scale=cols, groups=groups)
+qr, sr = quantize_rows_reference(x, col_scale=cols, groups=groups)
+assert q.shape == qr.shape == (37, 300) and torch.equal(s, sr), (s - sr).abs().max()
 xb = (torch.randn(37, 1280) * 3).to(torch.bfloat16)  # 10 blocks: one full group of 8 and a cut one
 xb[5] = 0
 xb[9, 1100] = 1e4

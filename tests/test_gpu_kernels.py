@@ -908,3 +908,55 @@ def test_fp8_on_the_27b_slice_with_lora(gpu_record, hopper):
     for name, p in model.named_parameters():
         if name in frozen:
             assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), frozen[name]), name
+
+
+# the routed experts' stacks of Qwen3.5-35B-A3B, [experts, out, in]: gate_up (2 x 512) x 2048, down 2048 x 512
+FP8_EXPERT_SHAPES = [(256, 1024, 2048), (256, 2048, 512)]
+
+
+@pytest.mark.parametrize("keep_transposed", [False, True])
+def test_fp8_grouped_gemms_at_the_35b_a3b_expert_shapes(keep_transposed, gpu_record, hopper):
+    """`torch._scaled_grouped_mm` (CUTLASS) under `fp8_grouped_mm` at the 35B-A3B's stacks, 8,192 tokens
+    routed top-8 at random (uneven groups, one expert with no row): the Triton grouped quantization
+    against its reference (the same scales; values one e4m3 step apart in a tiny fraction), the forward
+    and input gradient against the exact product of the quantized operands (fp64), `OP_TOL`, and against
+    the fp32 product of the unquantized ones, `fp8_decision.TOLERANCE`. Both stacks' grouped GEMM pair
+    timed in bf16 and FP8 (recorded: the same measurement as the load-time decision)."""
+    from axolotl_fastqwen.kernel_choice import fp8_decision
+    from axolotl_fastqwen.ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm, grouped_reference
+    from axolotl_fastqwen.ops.fp8_quantize import quantize_rows_reference, quantize_rows_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    rows_out = []
+    for experts, n, k in FP8_EXPERT_SHAPES:
+        routed = 8192 * 8
+        groups = torch.randint(0, experts, (routed,), generator=gen, device="cuda")
+        groups[groups == 7] = 8  # expert 7 gets no row
+        groups = groups.sort().values
+        offsets = torch.cumsum(torch.bincount(groups, minlength=experts), 0).to(torch.int32)
+        w = (torch.randn(experts, n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        x = torch.randn(routed, k, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(routed, n, generator=gen, device="cuda").to(torch.bfloat16)
+        fp8 = Fp8ExpertWeight.quantize(w, keep_transposed=keep_transposed)
+        q, s = quantize_rows_triton(dy, col_scale=fp8.scale, groups=groups)
+        qr, sr = quantize_rows_reference(dy, col_scale=fp8.scale, groups=groups)
+        assert q.shape == qr.shape == (routed, n) and torch.allclose(s, sr, rtol=1e-6, atol=0)
+        differ = float((q.float() != qr.float()).float().mean())
+        y = fp8_grouped_mm(x, fp8, offsets, groups)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        wq = fp8.data.double() * fp8.scale.double().unsqueeze(2)
+        xq, sx = quantize_rows_reference(x.detach(), rows_out=routed)
+        row = {"shape": [experts, n, k], "routed_rows": routed, "kernel_values_differing": differ,
+               "exact_y": _rel(y.double(), grouped_reference((xq.double() * sx.double()), wq, offsets)),
+               "exact_dx": _rel(dx.double(), grouped_reference(qr.double() * sr.double(),
+                                                               fp8.data.double().transpose(1, 2), offsets)),
+               "vs_fp32": max(_rel(y, grouped_reference(x.detach(), w, offsets)),
+                              _rel(dx, grouped_reference(dy, w.transpose(1, 2), offsets)))}
+        del wq, xq, q, qr
+        bf16_ms, fp8_ms = fp8_decision.time_experts(w, routed, keep_transposed)
+        row.update(bf16_ms=bf16_ms, fp8_ms=fp8_ms, speedup=bf16_ms / fp8_ms)
+        rows_out.append(row)
+        assert differ <= 1e-3 and row["exact_y"] <= OP_TOL and row["exact_dx"] <= OP_TOL, row
+        assert row["vs_fp32"] <= fp8_decision.TOLERANCE, row
+        del w, x, dy, fp8, y, dx
+    gpu_record({"test": "fp8_grouped_35b_a3b_expert_shapes", "keep_transposed": keep_transposed, "rows": rows_out})

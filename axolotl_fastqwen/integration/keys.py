@@ -57,7 +57,9 @@ class FastQwenArgs(BaseModel):
         "LoRA on a frozen bf16 base: quantize the decoder's large frozen projections once to FP8 (e4m3, one scale "
         "per output channel; the bf16 copy goes to host memory) and run their forward and input-gradient GEMMs on "
         "FP8 tensor cores, activations and gradients quantized per token. Each weight shape is self-checked and "
-        "timed on the GPU at load and stays bf16 where FP8 does not win (the load report lists each). Needs a "
+        "timed on the GPU at load and stays bf16 where FP8 does not win (the load report lists each). On MoE models "
+        "the routed experts' stacks (gate_up_proj, down_proj) go the same way, on FP8 grouped GEMMs, where the "
+        "plugin's fastqwen_grouped runs them. Needs a "
         "Hopper GPU (sm_90+), an adapter (lora), one process; refuses load_in_4bit / load_in_8bit, fsdp, "
         "deepspeed and torch_compile. Turns Axolotl's lora_*_kernel off (they read the bf16 weight)."))
     fastqwen_mlp_chunk_tokens: int | None = Field(default=None, gt=0, json_schema_extra=_about(
@@ -81,4 +83,5 @@ class FastQwenArgs(BaseModel):
         "quantized per token (the fastest); fp8-1x128: dy quantized per 1x128 block (DeepSeek-V3's tiles: an "
         "outlier channel costs only its block; slower GEMMs); bf16: in bf16 on the dequantized weights (FP8 in the "
         "forward only: no rounding of dy, FP8's memory kept, less of its speed). The README's FP8 section has the "
-        "measured speed and loss of each."))
+        "measured speed and loss of each. The routed experts' stacks take fp8 under fp8-1x128 (torch has no "
+        "block-scaled grouped GEMM)."))

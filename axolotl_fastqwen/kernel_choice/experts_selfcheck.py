@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..layers.experts_implementation import experts_implementation, experts_modules, set_experts_implementation
-from ..layers.grouped_experts import GROUPED, ExpertLora, grouped_experts_forward, register
+from ..layers.grouped_experts import GROUPED, ExpertLora, fp8_experts, grouped_experts_forward, register
 from .selfcheck import TOLERANCE, rel_err
 
 LOG = logging.getLogger("axolotl_fastqwen")
@@ -71,10 +71,15 @@ def check_module(module: nn.Module, implementation: str, dtype: torch.dtype, dev
         if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
             # FSDP2 shards: a copy would need a collective in the middle of the first forward
             raise CheckSetupError(f"{name} is sharded (DTensor)")
+        fp8 = fp8_experts(module)
+        stack = fp8.weight(module, name) if fp8 is not None else None
+        if stack is not None:  # fastqwen_fp8's stack: its values (its own path is checked where it is decided)
+            weight = type(stack)(stack.data[:experts], stack.scale[:experts]).dequantized(torch.float32)
         value = weight.detach()[:experts] if weight.dim() == 3 else weight.detach()
         setattr(proxy, name, nn.Parameter(value.to(device=device, dtype=dtype).clone()))
     for name, buffer in module.named_buffers(recurse=False):
-        setattr(proxy, name, buffer.to(device))
+        if fp8_experts(module) is None or "_fastqwen_fp8_" not in name:
+            setattr(proxy, name, buffer.to(device))
     return proxy
 
 
@@ -158,6 +163,15 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
     return max(errors)
 
 
+def _refuse_fp8_stacks_without_grouped(module: nn.Module, rejected: list[tuple[str, str]]) -> None:
+    """fastqwen_fp8's expert stacks run only in fastqwen_grouped: another implementation would read the
+    e4m3 stacks as numbers. Stop with what failed instead of training on them."""
+    if fp8_experts(module) is not None:
+        why = "; ".join(f"{name}: {reason}" for name, reason in rejected)
+        raise RuntimeError(f"axolotl_fastqwen: the routed experts' FP8 stacks need {GROUPED}, which failed its "
+                           f"self-check on this GPU ({why}). Set fastqwen_fp8: false, or report the failure.")
+
+
 def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
                       devices: tuple[str, ...] = ("cuda",)) -> ExpertsCheck | None:
     """Check the experts implementation `model` will train with; demote it if it fails. None for a
@@ -201,6 +215,7 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
                 torch.cuda.empty_cache()
         if err <= tol:
             if name != implementation:
+                _refuse_fp8_stacks_without_grouped(module, rejected)
                 set_experts_implementation(model, name)
             return ExpertsCheck(name, f"fwd+bwd rel. error {err:.1e} <= {tol:.0e} vs eager fp32 ({n_experts} "
                                       f"experts, top-{routed}, {CHECK_TOKENS} tokens"
@@ -208,6 +223,7 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
         rejected.append((name, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))
     for name, why in rejected:
         LOG.warning("axolotl_fastqwen: self-check rejected experts implementation %s: %s", name, why)
+    _refuse_fp8_stacks_without_grouped(module, rejected)
     set_experts_implementation(model, "eager")
     return ExpertsCheck("eager", "every faster implementation failed the self-check: transformers' eager loop",
                         rejected)

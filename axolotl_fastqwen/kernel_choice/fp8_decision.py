@@ -8,6 +8,9 @@ taken only where it is at least `MIN_SPEEDUP` faster. Each shape is also self-ch
 one of the model's own weights against the fp32 product: a kernel that raises or disagrees leaves
 that shape in bf16, and the report says why. On a CPU nothing is timed (`torch._scaled_mm` runs
 there, slowly: for tests) and every candidate takes FP8 once its self-check passes.
+
+The routed experts' stacks `[E, N, K]` are decided the same way at their own shape: grouped GEMMs
+over the row's `tokens × top-k` routed rows, spread evenly over the experts (`ops/fp8_grouped.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..ops import fp8_grouped
+from ..ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm, grouped_reference
 from ..ops.fp8_linear import Fp8Weight, bf16_linear_reference, compute_input_gradient, forward_gemm, fp8_linear
 from ..ops.fp8_quantize import quantize_rows
 from .selfcheck import rel_err
@@ -40,6 +45,7 @@ class ShapeDecision:
     bf16_ms: float | None = None  # forward + input gradient, one row
     fp8_ms: float | None = None  # the same in FP8 with that layout, quantization included
     error: float | None = None  # the self-check's relative error (the worse of output and input gradient)
+    experts: int | None = None  # a routed experts' stack `[experts, out, in]`; None for a projection
 
     @property
     def speedup(self) -> float | None:
@@ -63,6 +69,55 @@ def self_check(weight: torch.Tensor, keep_transposed: bool, dtype: torch.dtype, 
         y = fp8_linear(xf, fp8, input_gradient=input_gradient)
         (dx,) = torch.autograd.grad(y, xf, dy)
     return max(rel_err(y, bf16_linear_reference(x, weight)), rel_err(dx, dy.float() @ weight.float()))
+
+
+def _routed_offsets(rows: int, experts: int, device, gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 offsets, each row's expert) of `rows` sorted routed rows: drawn at random when `gen` is
+    given (experts without a row included), else spread evenly as a balanced router spreads them."""
+    if gen is not None:
+        groups = torch.randint(0, experts, (rows,), generator=gen, device=device).sort().values
+    else:
+        groups = torch.arange(rows, device=device) * experts // rows
+    counts = torch.bincount(groups, minlength=experts)
+    return torch.cumsum(counts, 0).to(torch.int32), groups
+
+
+def self_check_experts(weight: torch.Tensor, keep_transposed: bool, dtype: torch.dtype,
+                       input_gradient: str = "fp8") -> float:
+    """`self_check` of an expert stack `[E, N, K]`: the FP8 grouped forward and input gradient against
+    the fp32 products, rows routed at random (some experts get none)."""
+    gen = torch.Generator(device=weight.device).manual_seed(11)
+    offsets, groups = _routed_offsets(CHECK_TOKENS, weight.shape[0], weight.device, gen)
+    x = torch.randn(CHECK_TOKENS, weight.shape[2], generator=gen, device=weight.device).to(dtype)
+    dy = torch.randn(CHECK_TOKENS, weight.shape[1], generator=gen, device=weight.device).to(dtype)
+    fp8 = Fp8ExpertWeight.quantize(weight, keep_transposed=keep_transposed)
+    with torch.enable_grad(), torch.autocast(weight.device.type, enabled=False):
+        xf = x.clone().requires_grad_(True)
+        y = fp8_grouped_mm(xf, fp8, offsets, groups, input_gradient)
+        (dx,) = torch.autograd.grad(y, xf, dy)
+    exact_dx = grouped_reference(dy, weight.transpose(-2, -1), offsets)
+    return max(rel_err(y, grouped_reference(x, weight, offsets)), rel_err(dx, exact_dx))
+
+
+def time_experts(weight: torch.Tensor, rows: int, keep_transposed: bool, input_gradient: str = "fp8") -> tuple[float, float]:
+    """(bf16 ms, FP8 ms) of the grouped forward + input gradient of `rows` routed rows through the stack."""
+    experts, n, k = weight.shape
+    gen = torch.Generator(device=weight.device).manual_seed(3)
+    offsets, groups = _routed_offsets(rows, experts, weight.device)
+    x = torch.randn(rows, k, generator=gen, device=weight.device, dtype=weight.dtype)
+    dy = torch.randn(rows, n, generator=gen, device=weight.device, dtype=weight.dtype)
+    fp8 = Fp8ExpertWeight.quantize(weight, keep_transposed=keep_transposed)
+
+    def bf16():
+        F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        F.grouped_mm(dy, weight, offs=offsets)
+
+    def fp8_pair():  # what the op runs (ops/fp8_grouped.py)
+        fp8_grouped.forward_gemm(x, fp8, offsets)
+        fp8_grouped.input_gradient_gemm(dy, fp8, offsets, groups, input_gradient)
+
+    with torch.no_grad():
+        return median_ms(bf16), median_ms(fp8_pair)
 
 
 def median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
@@ -101,29 +156,39 @@ def time_shape(weight: torch.Tensor, tokens: int, keep_transposed: bool,
         return median_ms(bf16), median_ms(fp8_pair)
 
 
-def decide(samples: dict[tuple[int, int], torch.Tensor], tokens: int, keep_transposed: bool = False,
-           dtype: torch.dtype = torch.bfloat16, input_gradient: str = "fp8") -> dict[tuple[int, int], ShapeDecision]:
-    """One decision per `[N, K]`, each from one weight of that shape (`samples`), with the input
-    gradient's layout `keep_transposed`, computed as `input_gradient` says (ops/fp8_linear.INPUT_GRADIENTS)."""
+def decide(samples: dict[tuple[int, ...], torch.Tensor], tokens: int, keep_transposed: bool = False,
+           dtype: torch.dtype = torch.bfloat16, input_gradient: str = "fp8",
+           rows_per_token: int = 1) -> dict[tuple[int, ...], ShapeDecision]:
+    """One decision per `[N, K]` (a projection) or `[E, N, K]` (an expert stack, timed at
+    `tokens × rows_per_token` routed rows), each from one weight of that shape (`samples`), with the
+    input gradient's layout `keep_transposed`, computed as `input_gradient` says
+    (ops/fp8_linear.INPUT_GRADIENTS; ops/fp8_grouped.INPUT_GRADIENTS for the stacks)."""
     out = {}
-    for (n, k), weight in samples.items():
-        decision = ShapeDecision(n, k, fp8=False, why="", keep_transposed=keep_transposed)
+    for shape, weight in samples.items():
+        stacked = len(shape) == 3
+        *experts, n, k = shape
+        decision = ShapeDecision(n, k, fp8=False, why="", keep_transposed=keep_transposed,
+                                 experts=experts[0] if stacked else None)
+        rows = tokens * rows_per_token if stacked else tokens
         try:
-            decision.error = self_check(weight, keep_transposed, dtype, input_gradient)
+            check = self_check_experts if stacked else self_check
+            decision.error = check(weight, keep_transposed, dtype, input_gradient)
         except Exception as exc:  # noqa: BLE001 - any failure keeps bf16, with the reason
             decision.why = f"self-check raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            out[(n, k)] = decision
+            out[shape] = decision
             continue
         if not decision.error <= TOLERANCE:
             decision.why = f"self-check failed: relative error {decision.error:.3g} > {TOLERANCE}"
         elif weight.device.type != "cuda":
             decision.fp8, decision.why = True, f"{weight.device.type}: not timed (FP8 speed exists on Hopper only)"
         else:
-            decision.bf16_ms, decision.fp8_ms = time_shape(weight, tokens, keep_transposed, input_gradient)
+            timing = time_experts if stacked else time_shape
+            decision.bf16_ms, decision.fp8_ms = timing(weight, rows, keep_transposed, input_gradient)
             decision.fp8 = decision.speedup >= MIN_SPEEDUP
             layout = "transposed copy kept" if decision.keep_transposed else "transposed per backward"
-            decision.why = (f"{decision.speedup:.2f}x bf16 at {tokens} tokens (forward + input gradient, "
+            what = f"{rows} routed rows, grouped" if stacked else f"{tokens} tokens"
+            decision.why = (f"{decision.speedup:.2f}x bf16 at {what} (forward + input gradient, "
                             f"quantization included; {layout})"
                             + ("" if decision.fp8 else f"; FP8 needs {MIN_SPEEDUP}x"))
-        out[(n, k)] = decision
+        out[shape] = decision
     return out

@@ -11,7 +11,9 @@ gradient the size of that stack. Here each routed row runs `x·Wₑᵀ + s·(x·
 GEMMs (the low-rank ones through the rank), the routing weight scales the intermediate row (4x
 narrower than the hidden one; the down projection is linear, so the product is the same), and the
 k rows of a token are summed after one gather. Expert parallelism, biases and post-expert norms
-are not handled here: such modules run transformers' `grouped_mm` unchanged.
+are not handled here: such modules run transformers' `grouped_mm` unchanged. With `fastqwen_fp8`,
+a frozen stack quantized by `patching/fp8_weights.py` runs its grouped GEMMs on FP8
+(`ops/fp8_grouped.py`); the module says so in its `Fp8Experts`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
 REPLACES = "grouped_mm"  # the implementation it stands in for (same math)
@@ -37,6 +41,48 @@ class ExpertLora:
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """Which stacks of one experts module are FP8 (`patching/fp8_weights.py` sets it as the module's
+    `FP8_ATTR`): each such stack's Parameter holds the e4m3 data `[E, N, K]`, with its scales (and a
+    kept transposed copy) in the module's buffers `fp8_buffers(name)`, so that they move with the
+    module. `dtype` is the stacks' dtype before: what the rows and the expert LoRA compute in."""
+
+    names: tuple[str, ...]
+    dtype: torch.dtype
+    input_gradient: str = "fp8"
+
+    def weight(self, module: nn.Module, name: str) -> Fp8ExpertWeight | None:
+        if name not in self.names:
+            return None
+        data = getattr(module, name)
+        if data.dtype != torch.float8_e4m3fn:
+            raise RuntimeError(
+                f"fastqwen_fp8: {type(module).__qualname__}.{name}'s e4m3 stack was cast to {data.dtype} after it "
+                "was quantized, which turns it into meaningless values. Cast the model before the plugin patches "
+                "it, or call unpatch_model(model) first.")
+        scale, transposed = fp8_buffers(name)
+        return Fp8ExpertWeight(data, module._buffers[scale], module._buffers.get(transposed))
+
+
+FP8_ATTR = "_fastqwen_fp8_experts"
+
+
+def fp8_buffers(name: str) -> tuple[str, str]:
+    """The buffers of stack `name`'s FP8 scales and of its kept transposed copy."""
+    return f"{name}_fastqwen_fp8_scale", f"{name}_fastqwen_fp8_transposed"
+
+
+def fp8_experts(module: nn.Module) -> Fp8Experts | None:
+    return module.__dict__.get(FP8_ATTR)
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype the routed rows and the expert LoRA run in: the stacks' own, or theirs before FP8."""
+    fp8 = fp8_experts(module)
+    return fp8.dtype if fp8 is not None else module.gate_up_proj.dtype
 
 
 def supports(module: nn.Module) -> bool:
@@ -77,9 +123,16 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return torch.cat([x[s:e] @ weight[i] for i, (s, e) in enumerate(zip(starts, ends))])
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offsets: torch.Tensor,
+def _project(x: torch.Tensor, module: nn.Module, name: str, offsets: torch.Tensor, groups: torch.Tensor,
              lora: ExpertLora | None) -> torch.Tensor:
-    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offsets)
+    """`x · W[e]ᵀ` of each row with its expert's stack `name`, plus the factored LoRA of that stack."""
+    fp8 = fp8_experts(module)
+    fp8_weight = fp8.weight(module, name) if fp8 is not None else None
+    if fp8_weight is not None:
+        out = fp8_grouped_mm(x, fp8_weight, offsets, groups, fp8.input_gradient)
+    else:
+        weight = getattr(module, name)
+        out = grouped_mm(x, weight if module.is_transposed else weight.transpose(-2, -1), offsets)
     if lora is not None:
         low = grouped_mm(x, lora.a, offsets) * lora.scaling  # (S, rank): scaled where it is narrow
         out = out + grouped_mm(low, lora.b, offsets)
@@ -99,7 +152,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         return ALL_EXPERTS_FUNCTIONS[REPLACES](self, hidden_states, top_k_index, top_k_weights)
     lora = lora or {}
     tokens, k = top_k_index.shape
-    weight_dtype = self.gate_up_proj.dtype
+    weight_dtype = compute_dtype(self)
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     # histc, not bincount: no host sync (bincount sizes its output by the largest id); CPU histc takes floats only
     counts = torch.histc(expert_ids.int() if expert_ids.is_cuda else expert_ids.float(), bins=self.num_experts,
@@ -109,9 +162,9 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
     rows = _RoutedRows.apply(hidden_states, order, unsort, k).to(weight_dtype)
-    inner = self._apply_gate(_project(rows, self.gate_up_proj, self.is_transposed, offsets, lora.get("gate_up_proj")))
+    inner = self._apply_gate(_project(rows, self, "gate_up_proj", offsets, expert_ids, lora.get("gate_up_proj")))
     inner = inner * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(inner.dtype)
-    out = _project(inner, self.down_proj, self.is_transposed, offsets, lora.get("down_proj"))
+    out = _project(inner, self, "down_proj", offsets, expert_ids, lora.get("down_proj"))
     return _CombinedRows.apply(out, order, unsort, k).to(hidden_states.dtype)
 
 

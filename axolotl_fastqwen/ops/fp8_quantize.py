@@ -4,7 +4,8 @@
 `q[m, k] = round(x[m, k] * c[k] * 448 / amax_m)` with `amax_m = max_k |x[m, k] * c[k]|` and the
 dequantizing scale `amax_m / 448`, the layout `torch._scaled_mm` takes with row-wise scales. The
 optional column factor `c` folds a per-channel weight scale into the input gradient (ops/fp8_linear.py
-says why). In eager PyTorch this is five full-size passes (abs, amax, multiply, clamp, cast), which
+says why); with `groups`, `c` is one row of factors per group and row m takes `c[groups[m]]` (the
+routed experts' rows, each with its expert's scales: ops/fp8_grouped.py). In eager PyTorch this is five full-size passes (abs, amax, multiply, clamp, cast), which
 eat the FP8 GEMM's gain (0.77-1.04x on an H100, issue 35); the Triton kernel reads each row twice from
 cache and writes it once. Rows past `rows_out` (the GEMM's 16-alignment) are zero with scale 1.
 
@@ -31,13 +32,21 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None):
+def _check_groups(x: torch.Tensor, col_scale: torch.Tensor | None, groups: torch.Tensor | None) -> None:
+    if groups is not None and (col_scale is None or col_scale.dim() != 2 or groups.shape != x.shape[:1]
+                               or col_scale.shape[1] != x.shape[1]):
+        raise ValueError("groups: one group id per row of x, with col_scale [groups, columns]")
+
+
+def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None,
+                            groups: torch.Tensor | None = None):
     """The same quantization in PyTorch (the CPU path and the kernel's oracle): (q [R, K] e4m3, scale [R, 1] fp32)."""
+    _check_groups(x, col_scale, groups)
     rows, cols = x.shape
-    rows_out = rows_out or aligned(rows)
+    rows_out = rows if rows_out is None and groups is not None else rows_out or aligned(rows)
     v = x.float()
     if col_scale is not None:
-        v = v * col_scale.float()
+        v = v * (col_scale.float()[groups.long()] if groups is not None else col_scale.float())
     amax = v.abs().amax(dim=1, keepdim=True)
     amax = torch.where(amax > 0, amax, torch.full_like(amax, E4M3_MAX))  # an all-zero row: scale 1
     q = torch.zeros(rows_out, cols, dtype=E4M3, device=x.device)
@@ -53,11 +62,13 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def quantize_rows_kernel(x_ptr, c_ptr, q_ptr, s_ptr, cols, stride_x, stride_q,
-                             HAS_C: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    def quantize_rows_kernel(x_ptr, c_ptr, g_ptr, q_ptr, s_ptr, cols, stride_x, stride_q,
+                             HAS_C: tl.constexpr, GROUPED: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         q_row = q_ptr + row * stride_q
+        if GROUPED:  # this row's own factors: row `groups[row]` of c
+            c_ptr = c_ptr + tl.load(g_ptr + row).to(tl.int64) * cols
         peak = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -96,24 +107,30 @@ def _kernel_operands(x: torch.Tensor, col_scale: torch.Tensor | None, rows_out: 
     return x, q, col_scale.float().contiguous() if col_scale is not None else scale
 
 
-def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None):
+def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None,
+                         groups: torch.Tensor | None = None):
     """The Triton kernel (CUDA): same contract as `quantize_rows_reference`."""
+    _check_groups(x, col_scale, groups)
     rows, cols = x.shape
-    rows_out = rows_out or aligned(rows)
+    rows_out = rows if rows_out is None and groups is not None else rows_out or aligned(rows)
     scale = torch.empty(rows_out, 1, dtype=torch.float32, device=x.device)
     x, q, c = _kernel_operands(x, col_scale, rows_out, scale)
     if rows:
-        _kernel()[(rows,)](x, c, q, scale, cols, x.stride(0), q.stride(0), HAS_C=col_scale is not None,
+        _kernel()[(rows,)](x, c, groups.contiguous() if groups is not None else scale, q, scale, cols, x.stride(0),
+                           q.stride(0), HAS_C=col_scale is not None, GROUPED=groups is not None,
                            BLOCK=min(4096, max(256, 1 << (cols - 1).bit_length())), FP8_MAX=E4M3_MAX,
                            num_warps=8)
     return q, scale
 
 
-def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None):
-    """Row-wise e4m3 quantization of a 2D tensor: the Triton kernel on CUDA, PyTorch elsewhere."""
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None,
+                  groups: torch.Tensor | None = None):
+    """Row-wise e4m3 quantization of a 2D tensor: the Triton kernel on CUDA, PyTorch elsewhere. With
+    `groups` (one id per row), `col_scale` is `[groups, cols]` and the rows are not padded unless
+    `rows_out` says so (grouped GEMMs take the rows as they are)."""
     if x.is_cuda:
-        return quantize_rows_triton(x, col_scale, rows_out)
-    return quantize_rows_reference(x, col_scale, rows_out)
+        return quantize_rows_triton(x, col_scale, rows_out, groups)
+    return quantize_rows_reference(x, col_scale, rows_out, groups)
 
 
 def _block_scale_layout(rows_out: int, blocks: int, device) -> torch.Tensor:

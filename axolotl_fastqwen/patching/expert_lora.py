@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.experts_implementation import EXPERT_WEIGHTS, experts_implementation, is_experts
-from ..layers.grouped_experts import GROUPED, RANK_MULTIPLE, ExpertLora, grouped_experts_forward, supports
+from ..layers.grouped_experts import GROUPED, RANK_MULTIPLE, ExpertLora, compute_dtype, grouped_experts_forward, supports
 
 
 def _param_wrapper_class():
@@ -93,7 +93,7 @@ class FactoredExpertsForward:
             original = self.original or type(self.outer).forward.__get__(self.outer)
             return original(x, *args, **kwargs)
         kwargs.pop("adapter_names", None)
-        dtype = self.experts.gate_up_proj.dtype
+        dtype = compute_dtype(self.experts)
         lora = {name: factored(wrapper, adapter, dtype) for name, wrapper in self.chain.items()}
         self.calls += 1
         return grouped_experts_forward(self.experts, x, *args, lora=lora, **kwargs)

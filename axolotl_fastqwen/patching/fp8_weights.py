@@ -14,6 +14,13 @@ transposed copy) are non-persistent buffers, and an instance-level `forward` run
 puts back the very same bits and the GPU holds 1 byte a parameter instead of 2 (plus 1 with the
 transposed copy). A later cast of the module (`.to(torch.bfloat16)`) would turn the e4m3 values
 into meaningless bf16 ones: the forward checks the dtype and raises instead.
+
+The routed experts' frozen stacks (`gate_up_proj`, `down_proj`: `[E, N, K]`) of MoE models go the
+same way when they run the plugin's `fastqwen_grouped` (`layers/grouped_experts.py`, which reads
+the module's `Fp8Experts`): each stack is decided at its own shape over the row's routed rows, its
+Parameter becomes the e4m3 stack with its scales in buffers, and `restore()` puts the bf16 stack back
+from the host. Stacks run by anything else (ScatterMoE, eager, transformers' `grouped_mm`), or stored
+transposed, stay bf16 and the report says why.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ import torch
 from torch import nn
 
 from ..kernel_choice.fp8_decision import ShapeDecision, decide
+from ..layers import grouped_experts
+from ..layers.experts_implementation import EXPERT_WEIGHTS, experts_implementation, is_experts
+from ..ops import fp8_grouped
+from ..ops.fp8_grouped import Fp8ExpertWeight
 from ..ops.fp8_linear import INPUT_GRADIENTS, MIN_CAPABILITY, Fp8Weight, InputCache, fp8_linear
 from ..ops.fp8_quantize import ALIGN, E4M3
 from .instance_forward import replace_forward, restore_forward
@@ -51,6 +62,35 @@ def candidates(decoders: list[nn.Module]) -> dict[str, nn.Linear]:
     return found
 
 
+def expert_candidates(decoders: list[nn.Module]) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
+    """({qualified stack name: (experts module, stack name)} that may run in FP8, {report row: why
+    not} for the routed experts' stacks that may not)."""
+    found, refused = {}, {}
+    for decoder in decoders:
+        for index, layer in enumerate(decoder.layers):
+            for path, module in layer.named_modules():
+                if not is_experts(module):
+                    continue
+                implementation = experts_implementation(module)
+                why = None
+                if implementation != grouped_experts.GROUPED or not grouped_experts.supports(module):
+                    why = (f"the experts run {implementation!r}, not the plugin's {grouped_experts.GROUPED} "
+                           "(only its grouped GEMMs have an FP8 path)")
+                elif getattr(module, "is_transposed", False):
+                    why = "the stacks are stored transposed ([E, in, out]); FP8 takes [E, out, in]"
+                for name in EXPERT_WEIGHTS:
+                    stack = getattr(module, name)
+                    qualified = f"layers.{index}.{path}.{name}"
+                    reason = why or ("trainable (not a frozen base)" if stack.requires_grad else None)
+                    if reason is None and (stack.shape[1] % ALIGN or stack.shape[2] % ALIGN):
+                        reason = f"{tuple(stack.shape)}: FP8 grouped GEMMs need multiples of {ALIGN}"
+                    if reason is None:
+                        found[qualified] = (module, name)
+                    else:
+                        refused.setdefault(_role(qualified), reason)
+    return found, refused
+
+
 def _role(qualified: str) -> str:
     """`layers.3.mlp.gate_proj.base_layer` -> `mlp.gate_proj` (the report's row)."""
     parts = qualified.split(".")[2:]
@@ -62,9 +102,11 @@ class Fp8Weights:
     """The quantized projections of one model, and how to give them back."""
 
     modules: dict[str, nn.Linear] = field(default_factory=dict)
+    stacks: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)  # routed experts' stacks in FP8
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # the bf16 weights, bit for bit
-    decisions: dict[tuple[int, int], ShapeDecision] = field(default_factory=dict)
-    roles: dict[str, tuple[int, int]] = field(default_factory=dict)  # report row -> shape
+    decisions: dict[tuple[int, ...], ShapeDecision] = field(default_factory=dict)
+    roles: dict[str, tuple[int, ...]] = field(default_factory=dict)  # report row -> shape
+    experts_refused: dict[str, str] = field(default_factory=dict)  # report row -> why its stacks stay bf16
     tokens: int = 0
     input_gradient: str = "fp8"
     bf16_bytes: int = 0
@@ -77,22 +119,58 @@ class Fp8Weights:
         if input_gradient not in INPUT_GRADIENTS:
             raise ValueError(f"fp8 input_gradient={input_gradient!r}: one of {INPUT_GRADIENTS}")
         found = candidates(decoders)
-        if not found:
+        stacks, refused = expert_candidates(decoders)
+        if not found and not stacks:
             raise ValueError("fastqwen_fp8: no frozen projection of at least "
                              f"{MIN_FEATURES} features in the decoder layers (is the base frozen, i.e. LoRA applied?)")
-        device = next(iter(found.values())).weight.device
-        _check_device(device)
+        weights = [m.weight for m in found.values()] + [getattr(m, n) for m, n in stacks.values()]
+        _check_device(weights[0].device)
         samples = {}
-        for module in found.values():
-            samples.setdefault(tuple(module.weight.shape), module.weight)
-        self = cls(tokens=tokens, input_gradient=input_gradient)
-        self.decisions = decide(samples, tokens, keep_transposed, next(iter(samples.values())).dtype, input_gradient)
+        for weight in weights:
+            samples.setdefault(tuple(weight.shape), weight)
+        self = cls(tokens=tokens, input_gradient=input_gradient, experts_refused=refused)
+        dense = {shape: w for shape, w in samples.items() if len(shape) == 2}
+        self.decisions = decide(dense, tokens, keep_transposed, weights[0].dtype, input_gradient)
+        if stacks:
+            module = next(iter(stacks.values()))[0]
+            top_k = int(getattr(module.config, "num_experts_per_tok", 1))
+            stacked = {shape: w for shape, w in samples.items() if len(shape) == 3}
+            self.decisions.update(decide(stacked, tokens, keep_transposed, weights[0].dtype,
+                                         self.experts_input_gradient, rows_per_token=top_k))
         for name, module in found.items():
             shape = tuple(module.weight.shape)
             self.roles.setdefault(_role(name), shape)
             if self.decisions[shape].fp8:
                 self._quantize(name, module, self.decisions[shape].keep_transposed)
+        for name, (module, stack) in stacks.items():
+            shape = tuple(getattr(module, stack).shape)
+            self.roles.setdefault(_role(name), shape)
+            if self.decisions[shape].fp8:
+                self._quantize_stack(name, module, stack, self.decisions[shape].keep_transposed)
         return self
+
+    @property
+    def experts_input_gradient(self) -> str:
+        """How the stacks' `dy·Wₑ` run: as the projections' where a grouped GEMM can (torch has no
+        block-scaled grouped GEMM: under "fp8-1x128" the stacks quantize dy per row)."""
+        return self.input_gradient if self.input_gradient in fp8_grouped.INPUT_GRADIENTS else "fp8"
+
+    def _quantize_stack(self, name: str, module: nn.Module, stack: str, keep_transposed: bool) -> None:
+        weight = getattr(module, stack)
+        self.host[name] = weight.detach().to("cpu", copy=True)
+        fp8 = Fp8ExpertWeight.quantize(weight, keep_transposed=keep_transposed)
+        self.bf16_bytes += weight.numel() * weight.element_size()
+        self.fp8_bytes += fp8.nbytes
+        state = grouped_experts.fp8_experts(module)
+        names = (*state.names, stack) if state is not None else (stack,)
+        module.__dict__[grouped_experts.FP8_ATTR] = grouped_experts.Fp8Experts(
+            names, state.dtype if state is not None else weight.dtype, self.experts_input_gradient)
+        setattr(module, stack, nn.Parameter(fp8.data, requires_grad=False))
+        scale, transposed = grouped_experts.fp8_buffers(stack)
+        module.register_buffer(scale, fp8.scale, persistent=False)
+        if fp8.transposed is not None:
+            module.register_buffer(transposed, fp8.transposed, persistent=False)
+        self.stacks[name] = (module, stack)
 
     def _quantize(self, name: str, module: nn.Linear, keep_transposed: bool) -> None:
         weight = module.weight
@@ -118,7 +196,16 @@ class Fp8Weights:
                 if tensor is not None:
                     tensor.untyped_storage().resize_(0)
             module.weight = nn.Parameter(self.host[name].to(device), requires_grad=False)
+        for name, (module, stack) in self.stacks.items():
+            device = getattr(module, stack).device
+            for tensor in (getattr(module, stack), *(module._buffers.pop(b, None)
+                                                     for b in grouped_experts.fp8_buffers(stack))):
+                if tensor is not None:
+                    tensor.untyped_storage().resize_(0)
+            setattr(module, stack, nn.Parameter(self.host[name].to(device), requires_grad=False))
+            module.__dict__.pop(grouped_experts.FP8_ATTR, None)
         self.modules.clear()
+        self.stacks.clear()
         self.host.clear()
         self.cache.clear()
 
@@ -126,13 +213,16 @@ class Fp8Weights:
         rows = {}
         for role, shape in sorted(self.roles.items()):
             decision = self.decisions[shape]
-            count = sum(1 for name in self.modules if _role(name) == role)
+            count = sum(1 for name in (*self.modules, *self.stacks) if _role(name) == role)
             rows[role] = {"shape": list(shape), "fp8": decision.fp8, "modules": count, "why": decision.why,
                           "selfcheck_error": decision.error, "speedup": decision.to_dict()["speedup"],
                           "transposed_copy_kept": decision.keep_transposed, "bf16_ms": decision.bf16_ms,
                           "fp8_ms": decision.fp8_ms}
-        return {"projections": rows, "modules_fp8": len(self.modules), "tokens_timed": self.tokens,
-                "input_gradient": self.input_gradient,
+        for role, why in sorted(self.experts_refused.items()):
+            rows.setdefault(role, {"shape": None, "fp8": False, "modules": 0, "why": why})
+        return {"projections": rows, "modules_fp8": len(self.modules), "expert_stacks_fp8": len(self.stacks),
+                "tokens_timed": self.tokens, "input_gradient": self.input_gradient,
+                "experts_input_gradient": self.experts_input_gradient if self.stacks else None,
                 "bf16_bytes_freed": self.bf16_bytes, "fp8_bytes": self.fp8_bytes,
                 "gpu_bytes_saved": self.bf16_bytes - self.fp8_bytes,
                 "host_bytes": sum(t.numel() * t.element_size() for t in self.host.values())}
