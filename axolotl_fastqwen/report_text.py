@@ -35,6 +35,12 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
             lines.append(f"  {'':<22} {str(kind['implementation']):<16} {kind['modules']} x {kind['class']}, run by "
                          f"{kind['runner']}")
     lines += _fp8_lines(d.get("fp8"))
+    fused = d.get("fused_lora")
+    if fused and fused["layers"]:
+        others = "; ".join(f"{why}: {n} calls" for why, n in fused["peft_calls"].items())
+        lines.append(f"  fused LoRA: {fused['layers']} peft LoRA linear layers, {fused['fused_calls']} calls with the "
+                     "adapter added by the GEMM (no full-size scale or add)"
+                     + (f"; peft's own forward where {others}" if others else ""))
     chunks = d.get("mlp_chunks")
     if chunks is not None:
         lines.append(f"  mlp chunks: {chunks['mlps']} dense MLPs run rows of more than {chunks['chunk_tokens']} tokens "

@@ -121,6 +121,11 @@ PATHS: dict[str, PathSpec] = {
             "with gradient checkpointing on",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+peft-lora", "packed",
+            "fastqwen+ckpt-auto+lean with fastqwen_fused_lora: false: peft's own LoRA forward (a full-size scale "
+            "and add per adapted projection, autograd's sum of both input gradients): what the fused LoRA changes",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+fp8", "packed",
             "fastqwen+ckpt-auto+lean with fastqwen_fp8: the frozen projections on FP8 GEMMs (quantized once, "
             "each shape self-checked and timed at load)",
@@ -172,13 +177,14 @@ LETTERS = {
     "v": "axolotl-best+fp8-no-lora-kernels", "w": "fastqwen+ckpt-auto+lean+mlp-chunks",
     "x": "fastqwen+ckpt-auto+lean+offload", "y": "axolotl-best+offload",
     "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "A": "fastqwen+ckpt-auto+lean+fp8+offload",
+    "B": "fastqwen+ckpt-auto+lean+peft-lora",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
-    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
+    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
+    "fastqwen+ckpt-auto+lean+fp8-forward", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
     "axolotl-best+fastqwen", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
@@ -190,6 +196,7 @@ EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm
 # path -> the path it repeats with fastqwen_checkpointing: auto (the bench's loop drives the fitter)
 CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torch-norms": "fastqwen",
                       "fastqwen+ckpt-auto+lean": "fastqwen", "fastqwen+ckpt-auto+lean+fp8": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+peft-lora": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
@@ -206,7 +213,7 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-                    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
+                    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                     "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
 FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
@@ -216,6 +223,8 @@ MLP_CHUNKS = {"fastqwen+ckpt-auto+lean+mlp-chunks": 8192, "fastqwen+ckpt-auto+le
 # paths with fastqwen_checkpoint_offload (patch_model(checkpoint_offload=True))
 CHECKPOINT_OFFLOAD = ("fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
                       "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
+# paths on peft's own LoRA forward (patch_model(fused_lora=False))
+PEFT_LORA = ("fastqwen+ckpt-auto+lean+peft-lora",)
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
 FP8_BF16_INPUT_GRADIENT = ("fastqwen+ckpt-auto+lean+fp8-forward",)
 # paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the
@@ -258,6 +267,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     fp8 = budget if name in FP8 else None
     input_gradient = "bf16" if name in FP8_BF16_INPUT_GRADIENT else "fp8"
     mlp_chunk_tokens = MLP_CHUNKS.get(name)
+    fused_lora = name not in PEFT_LORA
     # the plugin line's default is `auto` (on where the checkpointed inputs would crowd the device): the lean
     # paths are the line's defaults plus what each names
     offload = True if name in CHECKPOINT_OFFLOAD else "auto" if name in LEAN_ACTIVATIONS else False
@@ -346,7 +356,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
-            with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens, offload):
+            with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens, offload, fused_lora):
                 yield info
         finally:
             undo.restore()
@@ -395,13 +405,15 @@ def fla_gdn_dispatch() -> str:
 @contextlib.contextmanager
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
             lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
-            mlp_chunk_tokens: int | None = None, checkpoint_offload: bool | str = False) -> Iterator[None]:
+            mlp_chunk_tokens: int | None = None, checkpoint_offload: bool | str = False,
+            fused_lora: bool = True) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
     report = patch_model(model, prefer=prefer, lean_activations=lean, fp8=bool(fp8_tokens),
                          fp8_tokens=fp8_tokens or 8192, fp8_input_gradient=fp8_input_gradient,
-                         mlp_chunk_tokens=mlp_chunk_tokens, checkpoint_offload=checkpoint_offload)
+                         mlp_chunk_tokens=mlp_chunk_tokens, checkpoint_offload=checkpoint_offload,
+                         fused_lora=fused_lora)
     info["patch_report"] = report
     try:
         if device.type == "cuda":

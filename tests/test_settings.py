@@ -191,6 +191,15 @@ def test_lean_activations_true_with_sharding_or_compile_is_refused(cfg, named):
     assert "fastqwen_lean_activations: false" in str(err.value)
 
 
+def test_fused_lora_default_on_off_by_key_and_aside_for_sharded_weights():
+    assert settle()[0].fused_lora and settle(torch_compile=True)[0].fused_lora
+    assert not settle(fastqwen_fused_lora=False)[0].fused_lora
+    for cfg in ({"fsdp_config": {"fsdp_version": 2}}, {"deepspeed": "zero3.json"}):
+        settings, _ = settle(**cfg)
+        assert not settings.fused_lora
+        assert any(n.startswith("fused LoRA off:") and "peft's forward runs" in n for n in settings.notes)
+
+
 # ---- the keys themselves ---------------------------------------------------------------------
 @pytest.mark.parametrize(("cfg", "message", "paste"), [
     ({"fastqwen_token_budget": 1000}, "got 1000", "fastqwen_token_budget: 1024"),

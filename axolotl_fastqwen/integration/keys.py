@@ -53,6 +53,12 @@ class FastQwenArgs(BaseModel):
         "the 27B shape, so auto keeps more layers. Unset: on unless fsdp, deepspeed or torch_compile is set, or "
         "gradient_checkpointing recomputes every layer (the load report says which); true insists and refuses "
         "fsdp, deepspeed and torch_compile; false turns it off."))
+    fastqwen_fused_lora: bool = Field(default=True, json_schema_extra=_about(
+        "peft's LoRA linear layers run as one autograd function each: the adapter's product added by the base "
+        "GEMM itself and both input gradients accumulated by it, so no full-size scale, add or gradient sum per "
+        "adapted projection (the same math; the adapter's product is rounded once instead of twice). Layers that "
+        "are not the plain case (lora_dropout > 0, DoRA, lora_bias, several active adapters) run peft's own "
+        "forward; the load report counts both. false: peft's forward everywhere."))
     fastqwen_fp8: bool = Field(default=False, json_schema_extra=_about(
         "LoRA on a frozen bf16 base: quantize the decoder's large frozen projections once to FP8 (e4m3, one scale "
         "per output channel; the bf16 copy goes to host memory) and run their forward and input-gradient GEMMs on "

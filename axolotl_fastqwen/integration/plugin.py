@@ -106,6 +106,7 @@ class FastQwenPlugin(BasePlugin):
             fp8_input_gradient=settings.fp8_input_gradient,
             mlp_chunk_tokens=settings.mlp_chunk_tokens,
             checkpoint_offload=settings.checkpoint_offload,
+            fused_lora=settings.fused_lora,
             log=False,
         )
         if settings.loss_owner:

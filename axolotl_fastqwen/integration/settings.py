@@ -134,6 +134,7 @@ class Settings:
     fp8_input_gradient: str  # fastqwen_fp8_input_gradient: how their input gradients run
     mlp_chunk_tokens: int | None  # fastqwen_mlp_chunk_tokens: dense MLPs over token chunks at long rows
     checkpoint_offload: bool | Literal["auto"]  # fastqwen_checkpoint_offload: recomputed layers' inputs in host memory
+    fused_lora: bool  # fastqwen_fused_lora: peft LoRA linears as one function each
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -336,6 +337,12 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         notes.append(lean_note)
 
     fp8 = _fp8(cfg, args.fastqwen_fp8, env, patch_layers, decisions, edits)
+    fused_lora = args.fastqwen_fused_lora
+    sharded = [k for k in ("fsdp", "fsdp_config", "deepspeed") if _on(cfg.get(k))]
+    if fused_lora and sharded:
+        fused_lora = False
+        notes.append(f"fused LoRA off: {', '.join(sharded)} set (their hooks gather each base weight when its own "
+                     "module runs, and the fused layer reads it without calling that module): peft's forward runs")
     chunk, most = args.fastqwen_mlp_chunk_tokens, max(budget, sequence_len * micro_batch_size)
     if chunk is not None and chunk >= most:
         notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "
@@ -359,7 +366,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         axolotl_options=options, patch_layers=patch_layers, checkpointing=checkpointing,
         checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean, fp8=fp8,
         fp8_input_gradient=args.fastqwen_fp8_input_gradient, mlp_chunk_tokens=args.fastqwen_mlp_chunk_tokens,
-        checkpoint_offload=offload, model_source=cfg.get("base_model_config") or cfg.get("base_model"),
+        checkpoint_offload=offload, fused_lora=fused_lora, model_source=cfg.get("base_model_config") or cfg.get("base_model"),
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
         output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))
     return settings, edits

@@ -32,13 +32,14 @@ class DecoderPreHook:
     """One per patched decoder (see the module docstring); `report` is the model's `PatchReport`."""
 
     def __init__(self, report, base: nn.Module, lora_cast: LoraInputCast, context: ForwardContext,
-                 expert_adapters: ExpertAdapters | None = None, offload=None):
+                 expert_adapters: ExpertAdapters | None = None, offload=None, fused_lora=None):
         self.report = report
         self.base = base
         self.lora_cast = lora_cast
         self.expert_adapters = expert_adapters
         self.context = context
         self.offload = offload  # memory.checkpoint_offload.CheckpointOffload, when on
+        self.fused_lora = fused_lora  # patching.fused_lora.FusedLora, when on
         self.validated = False
 
     def __call__(self, module, args, kwargs):
@@ -92,6 +93,8 @@ class DecoderPreHook:
         self.lora_cast.update(self.report.kernels.device.type)
         if self.expert_adapters is not None:
             self.expert_adapters.update()
+        if self.fused_lora is not None:
+            self.fused_lora.update()
         for note in (self.lora_cast.describe(), self.expert_adapters and self.expert_adapters.describe()):
             if note and note not in self.report.kernels.notes:
                 self.report.kernels.notes.append(note)

@@ -26,6 +26,7 @@ from .decoder_hook import DecoderPreHook
 from ..devices import model_device
 from .expert_lora import ExpertAdapters
 from .fp8_weights import Fp8Weights
+from .fused_lora import FusedLora
 from .mlp_chunks import MlpChunks
 from ..memory.checkpoint_offload import CheckpointOffload
 from ..layers.experts_implementation import describe_experts, experts_implementation, experts_modules, set_experts_implementation
@@ -91,6 +92,7 @@ class PatchReport:
     fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
     mlp_chunks: MlpChunks | None = field(default=None, repr=False)  # fastqwen_mlp_chunk_tokens, when set
     offload: CheckpointOffload | None = field(default=None, repr=False)  # fastqwen_checkpoint_offload, when on
+    fused_lora: FusedLora | None = field(default=None, repr=False)  # peft LoRA linears as one function, when on
 
     def backends(self) -> dict[str, str]:
         names = self.kernels.names()
@@ -133,6 +135,7 @@ class PatchReport:
             "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
             "mlp_chunks": self.mlp_chunks.to_dict() if self.mlp_chunks is not None else None,
             "checkpoint_offload": self.offload.to_dict() if self.offload is not None else None,
+            "fused_lora": self.fused_lora.to_dict() if self.fused_lora is not None else None,
             "versions": self.versions,
         }
 
@@ -163,6 +166,7 @@ def patch_model(
     fp8_input_gradient: str = "fp8",
     mlp_chunk_tokens: int | None = None,
     checkpoint_offload: bool | str = False,
+    fused_lora: bool = True,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -191,6 +195,9 @@ def patch_model(
         (`memory/checkpoint_offload.py`); layers whose activations are kept are untouched. "auto": only
         once a training forward's inputs would take the device past `AUTO_FRACTION` of its memory (on
         from then on).
+    fused_lora: peft's LoRA linear layers run as one autograd function each (`patching/fused_lora.py`):
+        the adapter's product added by the GEMM, both input gradients accumulated by it, no full-size
+        scale or add; peft's own forward wherever the layer is not the plain case.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -222,7 +229,10 @@ def patch_model(
         raise ValueError(f"checkpoint_offload={checkpoint_offload!r}: False, True or 'auto'")
     if checkpoint_offload:
         report.offload = CheckpointOffload(decoder_layers, auto=checkpoint_offload == "auto")
-    hook = DecoderPreHook(report, base, lora_cast, context, expert_adapters, offload=report.offload)
+    if fused_lora:
+        report.fused_lora = FusedLora(base)
+    hook = DecoderPreHook(report, base, lora_cast, context, expert_adapters, offload=report.offload,
+                          fused_lora=report.fused_lora)
     hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base.modules() if type(m) in plan.decoder]
     if not hooks:
         raise RuntimeError(f"{type(base).__name__}: no decoder model of {plan.family.decoder} found to hook")
@@ -280,6 +290,8 @@ def unpatch_model(model: nn.Module) -> None:
     for handle in state["hooks"]:
         handle.remove()
     state["lora_cast"].restore()
+    if state["report"].fused_lora is not None:
+        state["report"].fused_lora.restore()
     state["expert_adapters"].restore()
     if state["report"].lean is not None:
         state["report"].lean.restore()
