@@ -54,9 +54,9 @@ class FastQwenArgs(BaseModel):
         "gradient_checkpointing recomputes every layer (the load report says which); true insists and refuses "
         "fsdp, deepspeed and torch_compile; false turns it off."))
     fastqwen_fused_lora: bool = Field(default=True, json_schema_extra=_about(
-        "peft's LoRA linear layers run as one autograd function each: the adapter's product added by the base "
-        "GEMM itself and both input gradients accumulated by it, so no full-size scale, add or gradient sum per "
-        "adapted projection (the same math; the adapter's product is rounded once instead of twice). Layers that "
+        "peft's LoRA linear layers add the adapter's product in its own GEMM (addmm onto the base output), so no "
+        "full-size scale or add per adapted projection, forward or backward (the same math; the adapter's product "
+        "is rounded once instead of three times). Off under fsdp and deepspeed. Layers that "
         "are not the plain case (lora_dropout > 0, DoRA, lora_bias, several active adapters) run peft's own "
         "forward; the load report counts both. false: peft's forward everywhere."))
     fastqwen_fp8: bool = Field(default=False, json_schema_extra=_about(

@@ -341,8 +341,8 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
     sharded = [k for k in ("fsdp", "fsdp_config", "deepspeed") if _on(cfg.get(k))]
     if fused_lora and sharded:
         fused_lora = False
-        notes.append(f"fused LoRA off: {', '.join(sharded)} set (their hooks gather each base weight when its own "
-                     "module runs, and the fused layer reads it without calling that module): peft's forward runs")
+        notes.append(f"fused LoRA off: {', '.join(sharded)} set (their hooks gather each weight when its own module "
+                     "runs, and the fused layer reads lora_B's weight without calling lora_B): peft's forward runs")
     chunk, most = args.fastqwen_mlp_chunk_tokens, max(budget, sequence_len * micro_batch_size)
     if chunk is not None and chunk >= most:
         notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "

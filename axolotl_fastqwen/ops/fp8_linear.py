@@ -123,23 +123,17 @@ def compute_input_gradient(dy: torch.Tensor, weight: Fp8Weight, how: str) -> tor
     return gemm(dy, weight)[: dy.shape[0]]
 
 
-def forward_rows(x: torch.Tensor, weight: Fp8Weight, cache: InputCache | None = None) -> torch.Tensor:
-    """`x·Wᵀ` of any `[..., K]` input as bf16 rows `[R, N]` (R = the input's tokens): x quantized per
-    token (once for the projections that share it, through `cache`), then the FP8 GEMM."""
-    rows = x.numel() // x.shape[-1]
-    rows_out = aligned(rows)
-    if cache is not None:
-        xq, sx = cache.get(x, rows_out)
-    else:
-        xq, sx = quantize_rows(x.reshape(rows, x.shape[-1]), rows_out=rows_out)
-    return forward_gemm(xq, sx, weight)[:rows]
-
-
 class _FrozenFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, cache: InputCache | None,
                 input_gradient: str):
-        y = forward_rows(x, weight, cache)
+        rows = x.numel() // x.shape[-1]
+        rows_out = aligned(rows)
+        if cache is not None:
+            xq, sx = cache.get(x, rows_out)
+        else:
+            xq, sx = quantize_rows(x.reshape(rows, x.shape[-1]), rows_out=rows_out)
+        y = forward_gemm(xq, sx, weight)[:rows]
         y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         if bias is not None:
             y = y + bias.to(y.dtype)

@@ -228,13 +228,6 @@ class Fp8Weights:
                 "host_bytes": sum(t.numel() * t.element_size() for t in self.host.values())}
 
 
-def fp8_operands(module: nn.Module) -> tuple[Fp8Weight, InputCache, str] | None:
-    """A quantized projection's (weight, shared-input cache, input-gradient mode), for a caller that runs
-    its GEMMs itself (`ops/lora_linear.py`); None for any other module."""
-    forward = module.__dict__.get("forward") or module.__dict__.get("_old_forward")
-    return forward.operands() if isinstance(forward, _Forward) else None
-
-
 class _Forward:
     """The instance forward of a quantized projection (keeps `nn.Linear.forward`'s one argument)."""
 
@@ -245,10 +238,6 @@ class _Forward:
         self.input_gradient = input_gradient
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        fp8, cache, how = self.operands()
-        return fp8_linear(x, fp8, self.module.bias, cache, how)
-
-    def operands(self) -> tuple[Fp8Weight, InputCache, str]:
         module = self.module
         weight = module.weight
         if weight.dtype != E4M3:
@@ -256,7 +245,8 @@ class _Forward:
                 f"fastqwen_fp8: {self.name}'s e4m3 weight was cast to {weight.dtype} after "
                 "it was quantized, which turns it into meaningless values. Cast the model before the plugin patches "
                 "it, or call unpatch_model(model) first.")
-        return Fp8Weight(weight, module._buffers[SCALE], module._buffers.get(TRANSPOSED)), self.cache, self.input_gradient
+        fp8 = Fp8Weight(weight, module._buffers[SCALE], module._buffers.get(TRANSPOSED))
+        return fp8_linear(x, fp8, module.bias, self.cache, self.input_gradient)
 
 
 def _check_device(device: torch.device) -> None:

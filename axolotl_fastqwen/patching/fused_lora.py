@@ -1,13 +1,27 @@
-"""peft's LoRA `Linear` layers run as one autograd function (`ops/lora_linear.py`): the adapter's
-product added by the GEMM, both input gradients accumulated by it, no full-size scale or add.
+"""peft's LoRA `Linear` layers with the adapter's product added by its GEMM: `base(x) + s·B(A(x))` as
+`addmm(base(x), A(x), Bᵀ, alpha=s)`.
+
+peft runs the adapter as `result + lora_B(lora_A(x)) * scaling`: besides its two GEMMs, a full-size
+multiply and add in every forward (again in every recompute) and the multiply again in backward, each
+a pass over `[tokens, out]`. On the 35B-A3B profile with expert LoRA, bf16 adds and scalar multiplies
+were 119 ms of the 656 ms of GPU kernel time of a step (benchmarks/h200/2026-12-04d). Here the second
+GEMM is `torch.addmm` with the base output as its `self` (beta = 1): cuBLAS adds the product in its
+epilogue, and autograd's own backward of it (native, no Python) scales only `[tokens, rank]` and
+`[rank, out]` tensors and passes the base output's gradient through untouched. The base layer and
+`lora_A` are called as modules, as peft calls them, so their hooks run and `fastqwen_fp8`'s FP8 base
+runs inside. The math is peft's; the adapter's product is rounded once, in the GEMM's accumulator.
+(An autograd function that also accumulates the two input gradients in one GEMM saved 6-11% more GPU
+time per layer at the 27B shapes, but its Python backward cost more host time than that on the
+35B-A3B at 24 layers on an H100: benchmarks/h100/2026-12-06g.)
 
 Installed per instance, beneath accelerate's hook, at the first forward (adapters may come after
 the patch: Axolotl applies LoRA after the plugin patches). Each call checks that the layer is the
-plain case, `base(x) + s·B(A(x))` with one active unmerged adapter, no dropout, no DoRA or other
-variant, no LoRA bias, a frozen `nn.Linear` base (bf16, or FP8 under `fastqwen_fp8`) in the compute
-dtype; anything else (dropout > 0, mixed-adapter batches, merged or disabled adapters, fp32
-adapters without autocast) runs peft's own forward, and the report counts both. Layers Axolotl's
-LoRA kernels patch (its `lora_*_kernel`) never call this forward: those kernels do the same fusion.
+plain case: one active unmerged adapter, no dropout, no DoRA or other variant, no LoRA bias, no
+`fan_in_fan_out`, and either autocast or one dtype for the input and the adapter; anything else
+(dropout > 0, mixed-adapter batches, merged or disabled adapters, fp32 adapters without autocast) runs
+peft's own forward, and the report counts both. Layers Axolotl's LoRA kernels patch (its
+`lora_*_kernel`) never call this forward: those kernels do the same fusion. Under FSDP or DeepSpeed
+(which gather `lora_B`'s weight only when its own module runs) it is off (`integration/settings.py`).
 """
 
 from __future__ import annotations
@@ -17,8 +31,6 @@ from collections import Counter
 import torch
 from torch import nn
 
-from ..ops.lora_linear import DenseBase, Fp8Base, lora_linear
-from . import fp8_weights
 from .instance_forward import replace_forward, restore_forward
 
 KEY = "_fastqwen_fused_lora"
@@ -42,46 +54,42 @@ class FusedLoraForward:
     def __call__(self, x, *args, **kwargs):
         if torch.compiler.is_compiling():  # a compiled graph fuses peft's ops itself; no Python-side count in it
             return self.original(x, *args, **kwargs)
-        plan = self._plan(x, args, kwargs)
-        if isinstance(plan, str):
-            self.counts[plan] += 1
+        adapter, why = self._plain(x, args, kwargs)
+        if adapter is None:
+            self.counts[why] += 1
             return self.original(x, *args, **kwargs)
-        adapter, base, dtype = plan
-        m = self.module
         self.counts["fused"] += 1
-        return lora_linear(x, m.lora_A[adapter].weight, m.lora_B[adapter].weight, base, m.scaling[adapter], dtype)
+        return add_adapter(self.module, adapter, x)
 
-    def _plan(self, x, args, kwargs):
-        """(adapter, base, compute dtype), or why peft's forward runs instead."""
+    def _plain(self, x, args, kwargs) -> tuple[str | None, str | None]:
+        """(the adapter to fuse, None), or (None, why peft's forward runs instead)."""
         m = self.module
         if args or kwargs:
-            return "called with more than the input (e.g. adapter_names: a mixed-adapter batch)"
+            return None, "called with more than the input (e.g. adapter_names: a mixed-adapter batch)"
         if m.disable_adapters or m.merged:
-            return "adapters disabled or merged"
-        active = list(m.active_adapters)
+            return None, "adapters disabled or merged"
+        active = m.active_adapters
         if len(active) != 1 or active[0] not in m.lora_A:
-            return "not exactly one active adapter on the layer"
+            return None, "not exactly one active adapter on the layer"
         adapter = active[0]
         if not isinstance(m.lora_dropout[adapter], nn.Identity):
-            return "lora_dropout > 0"
+            return None, "lora_dropout > 0"
         if (m.use_dora.get(adapter) or getattr(m, "lora_variant", {}).get(adapter) is not None
                 or m.lora_bias.get(adapter) or m.fan_in_fan_out):
-            return "a LoRA variant (DoRA, ...), lora_bias or fan_in_fan_out"
-        base = m.base_layer
-        if type(base) is not nn.Linear or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
-            return "the base layer is not a frozen nn.Linear"
-        device = x.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-        if not autocast and m.lora_A[adapter].weight.dtype != dtype:
-            return "adapter and input dtypes differ without autocast"
-        bias = base.bias.to(dtype) if base.bias is not None else None
-        fp8 = fp8_weights.fp8_operands(base)
-        if fp8 is not None:
-            return adapter, Fp8Base(*fp8, bias=bias), dtype
-        if base.weight.dtype != dtype:
-            return "the base weight is not in the compute dtype"
-        return adapter, DenseBase(base.weight, bias), dtype
+            return None, "a LoRA variant (DoRA, ...), lora_bias or fan_in_fan_out"
+        if not torch.is_autocast_enabled(x.device.type) and not (
+                x.dtype == m.lora_A[adapter].weight.dtype == m.lora_B[adapter].weight.dtype):
+            return None, "adapter and input dtypes differ without autocast"
+        return adapter, None
+
+
+def add_adapter(module: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    """`base(x) + s·B(A(x))` of a peft LoRA `Linear`, the adapter's product added by its GEMM."""
+    result = module.base_layer(x)
+    low = module.lora_A[adapter](x)
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]),
+                      module.lora_B[adapter].weight.t(), alpha=module.scaling[adapter])
+    return out.view(result.shape)
 
 
 class FusedLora:
