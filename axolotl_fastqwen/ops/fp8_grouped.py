@@ -77,13 +77,7 @@ def _dequantized_grouped(aq: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb
                          offsets: torch.Tensor) -> torch.Tensor:
     """The CPU stand-in: `(aq·sa)[rows of e] @ (b[e]·sb[e])` in fp32 per expert, b `[E, K, N]`, sb `[E, N]`."""
     a = aq.float() * sa.reshape(-1, 1)
-    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float32, device=a.device)
-    start = 0
-    for expert, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = a[start:end] @ (b[expert].float() * sb[expert].reshape(1, -1))
-        start = end
-    return out.to(torch.bfloat16)
+    return grouped_reference(a, (b.float() * sb.unsqueeze(1)).transpose(-2, -1), offsets).to(torch.bfloat16)
 
 
 def scaled_grouped_mm(aq: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
@@ -111,8 +105,7 @@ def input_gradient_gemm(dy: torch.Tensor, weight: Fp8ExpertWeight, offsets: torc
         w = weight.dequantized(torch.bfloat16)  # [E, N, K]
         if dy.is_cuda:
             return torch.nn.functional.grouped_mm(dy.to(torch.bfloat16), w, offs=offsets)
-        ones = torch.ones(w.shape[0], w.shape[2])
-        return _dequantized_grouped(dy, torch.ones(dy.shape[0], 1), w, ones, offsets)
+        return grouped_reference(dy, w.transpose(-2, -1), offsets).to(torch.bfloat16)
     dq, sd = quantize_rows(dy, col_scale=weight.scale, groups=groups)
     ones = torch.ones(weight.data.shape[0], weight.data.shape[2], dtype=torch.float32, device=dy.device)
     return scaled_grouped_mm(dq, sd, weight.input_gradient_layout().transpose(-2, -1), ones, offsets)

@@ -32,18 +32,23 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _check_groups(x: torch.Tensor, col_scale: torch.Tensor | None, groups: torch.Tensor | None) -> None:
+def _rows_out(x: torch.Tensor, col_scale: torch.Tensor | None, rows_out: int | None,
+              groups: torch.Tensor | None) -> int:
+    """The quantized rows: `rows_out`, else the GEMM's 16-alignment, except for grouped rows (a grouped
+    GEMM cuts them at its offsets: no padding). Checks `groups` against `col_scale` first."""
     if groups is not None and (col_scale is None or col_scale.dim() != 2 or groups.shape != x.shape[:1]
                                or col_scale.shape[1] != x.shape[1]):
         raise ValueError("groups: one group id per row of x, with col_scale [groups, columns]")
+    if rows_out is not None:
+        return rows_out
+    return x.shape[0] if groups is not None else aligned(x.shape[0])
 
 
 def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None,
                             groups: torch.Tensor | None = None):
     """The same quantization in PyTorch (the CPU path and the kernel's oracle): (q [R, K] e4m3, scale [R, 1] fp32)."""
-    _check_groups(x, col_scale, groups)
     rows, cols = x.shape
-    rows_out = rows if rows_out is None and groups is not None else rows_out or aligned(rows)
+    rows_out = _rows_out(x, col_scale, rows_out, groups)
     v = x.float()
     if col_scale is not None:
         v = v * (col_scale.float()[groups.long()] if groups is not None else col_scale.float())
@@ -110,9 +115,8 @@ def _kernel_operands(x: torch.Tensor, col_scale: torch.Tensor | None, rows_out: 
 def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None, rows_out: int | None = None,
                          groups: torch.Tensor | None = None):
     """The Triton kernel (CUDA): same contract as `quantize_rows_reference`."""
-    _check_groups(x, col_scale, groups)
     rows, cols = x.shape
-    rows_out = rows if rows_out is None and groups is not None else rows_out or aligned(rows)
+    rows_out = _rows_out(x, col_scale, rows_out, groups)
     scale = torch.empty(rows_out, 1, dtype=torch.float32, device=x.device)
     x, q, c = _kernel_operands(x, col_scale, rows_out, scale)
     if rows:
