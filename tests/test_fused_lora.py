@@ -77,21 +77,46 @@ def test_a_patched_lora_model_runs_every_adapted_linear_fused_at_peft_s_losses_a
     assert not any(KEY in m.__dict__ or "forward" in m.__dict__ for m in layers)  # peft's forward again
 
 
+def test_lora_dropout_is_applied_to_the_adapters_input_with_peft_s_mask():
+    """Axolotl's YAMLs often set lora_dropout: 0.05: the adapter's input is dropped out as peft drops it,
+    one draw per call in peft's order, so the same seed gives peft's loss and gradients."""
+    model = lora_model("qwen3_5", gc=False)
+    for module in model.modules():
+        if type(module).__name__ == "Linear" and hasattr(module, "lora_dropout"):
+            module.lora_dropout["default"] = torch.nn.Dropout(0.3)
+    batch = packed_batch(sequences(model.config.vocab_size, [40, 31, 57]))
+    results = []
+    for fused in (False, True):
+        report = patch_model(model, fused_cross_entropy=False, fused_lora=fused, log=False)
+        torch.manual_seed(5)
+        results.append(_loss_and_grads(model, batch))
+        if fused:
+            assert report.to_dict()["fused_lora"]["fused_calls"] > 0 and not report.to_dict()["fused_lora"]["peft_calls"]
+        unpatch_model(model)
+    (ref_loss, ref), (loss, grads) = results
+    assert rel(loss, ref_loss) <= 1e-5 and max(rel(grads[n], ref[n]) for n in ref) <= 1e-5
+    torch.manual_seed(6)  # another draw: another loss (the control: dropout is on)
+    patch_model(model, fused_cross_entropy=False, log=False)
+    assert rel(_loss_and_grads(model, batch)[0], ref_loss) > 1e-4
+    unpatch_model(model)
+
+
 def test_what_is_not_the_plain_case_runs_peft_s_forward_and_the_report_says_why():
     model = lora_model("qwen3_5", gc=False)
     layer = model.get_base_model().model.layers[0]
     module = next(m for m in layer.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A"))
-    module.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    module.use_dora["default"] = True  # a variant the fused form does not compute (flag only: peft's path is not run)
     batch = packed_batch(sequences(model.config.vocab_size, [40, 31]))
     report = patch_model(model, fused_cross_entropy=False, log=False)
     try:
         with model.disable_adapter():
             model(**batch)
-        model(**batch)
         peft_calls = report.to_dict()["fused_lora"]["peft_calls"]
-        assert peft_calls["lora_dropout > 0"] == 1
         assert peft_calls["adapters disabled or merged"] == report.to_dict()["fused_lora"]["layers"]
+        assert module.__dict__["forward"]._plain(torch.zeros(1, 4), (), {}) == (
+            None, "a LoRA variant (DoRA, ...), lora_bias or fan_in_fan_out")
     finally:
+        module.use_dora["default"] = False
         unpatch_model(model)
 
 

@@ -57,7 +57,7 @@ class FastQwenArgs(BaseModel):
         "peft's LoRA linear layers add the adapter's product in its own GEMM (addmm onto the base output), so no "
         "full-size scale or add per adapted projection, forward or backward (the same math; the adapter's product "
         "is rounded once instead of three times). Off under fsdp and deepspeed. Layers that "
-        "are not the plain case (lora_dropout > 0, DoRA, lora_bias, several active adapters) run peft's own "
+        "are not the plain case (DoRA, lora_bias, several active adapters) run peft's own "
         "forward; the load report counts both. false: peft's forward everywhere."))
     fastqwen_fp8: bool = Field(default=False, json_schema_extra=_about(
         "LoRA on a frozen bf16 base: quantize the decoder's large frozen projections once to FP8 (e4m3, one scale "

@@ -16,10 +16,10 @@ time per layer at the 27B shapes, but its Python backward cost more host time th
 
 Installed per instance, beneath accelerate's hook, at the first forward (adapters may come after
 the patch: Axolotl applies LoRA after the plugin patches). Each call checks that the layer is the
-plain case: one active unmerged adapter, no dropout, no DoRA or other variant, no LoRA bias, no
-`fan_in_fan_out`, and either autocast or one dtype for the input and the adapter; anything else
-(dropout > 0, mixed-adapter batches, merged or disabled adapters, fp32 adapters without autocast) runs
-peft's own forward, and the report counts both. Layers Axolotl's LoRA kernels patch (its
+plain case: one active unmerged adapter (its `lora_dropout` applied to the adapter's input, as peft
+does), no DoRA or other variant, no LoRA bias, no `fan_in_fan_out`, and either autocast or one dtype
+for the input and the adapter; anything else (mixed-adapter batches, merged or disabled adapters,
+fp32 adapters without autocast) runs peft's own forward, and the report counts both. Layers Axolotl's LoRA kernels patch (its
 `lora_*_kernel`) never call this forward: those kernels do the same fusion. Under FSDP or DeepSpeed
 (which gather `lora_B`'s weight only when its own module runs) it is off (`integration/settings.py`).
 """
@@ -72,8 +72,6 @@ class FusedLoraForward:
         if len(active) != 1 or active[0] not in m.lora_A:
             return None, "not exactly one active adapter on the layer"
         adapter = active[0]
-        if not isinstance(m.lora_dropout[adapter], nn.Identity):
-            return None, "lora_dropout > 0"
         if (m.use_dora.get(adapter) or getattr(m, "lora_variant", {}).get(adapter) is not None
                 or m.lora_bias.get(adapter) or m.fan_in_fan_out):
             return None, "a LoRA variant (DoRA, ...), lora_bias or fan_in_fan_out"
@@ -86,7 +84,7 @@ class FusedLoraForward:
 def add_adapter(module: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
     """`base(x) + s·B(A(x))` of a peft LoRA `Linear`, the adapter's product added by its GEMM."""
     result = module.base_layer(x)
-    low = module.lora_A[adapter](x)
+    low = module.lora_A[adapter](module.lora_dropout[adapter](x))  # peft's order: the same dropout mask
     out = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]),
                       module.lora_B[adapter].weight.t(), alpha=module.scaling[adapter])
     return out.view(result.shape)
