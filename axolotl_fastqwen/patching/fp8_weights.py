@@ -155,33 +155,42 @@ class Fp8Weights:
         block-scaled grouped GEMM: under "fp8-1x128" the stacks quantize dy per row)."""
         return self.input_gradient if self.input_gradient in fp8_grouped.INPUT_GRADIENTS else "fp8"
 
-    def _quantize_stack(self, name: str, module: nn.Module, stack: str, keep_transposed: bool) -> None:
-        weight = getattr(module, stack)
+    def _swap_in(self, name: str, module: nn.Module, attr: str, fp8: Fp8Weight | Fp8ExpertWeight,
+                 buffers: tuple[str, str]) -> None:
+        """`module.<attr>` becomes `fp8`'s e4m3 data, its scales (and kept transposed copy) the `buffers`;
+        the bf16 weight goes to the host, for `_give_back`."""
+        weight = getattr(module, attr)
         self.host[name] = weight.detach().to("cpu", copy=True)
-        fp8 = Fp8ExpertWeight.quantize(weight, keep_transposed=keep_transposed)
         self.bf16_bytes += weight.numel() * weight.element_size()
         self.fp8_bytes += fp8.nbytes
+        setattr(module, attr, nn.Parameter(fp8.data, requires_grad=False))
+        module.register_buffer(buffers[0], fp8.scale, persistent=False)
+        if fp8.transposed is not None:
+            module.register_buffer(buffers[1], fp8.transposed, persistent=False)
+
+    def _give_back(self, name: str, module: nn.Module, attr: str, buffers: tuple[str, str]) -> None:
+        """`_swap_in` undone: the host's bf16 weight, the same bits. The e4m3 copy's memory goes back
+        before the bf16 one is allocated, whoever still holds a reference (H100, 32k rows: a restore
+        that held both ran out of memory)."""
+        device = getattr(module, attr).device
+        for tensor in (getattr(module, attr), *(module._buffers.pop(b, None) for b in buffers)):
+            if tensor is not None:
+                tensor.untyped_storage().resize_(0)
+        setattr(module, attr, nn.Parameter(self.host[name].to(device), requires_grad=False))
+
+    def _quantize_stack(self, name: str, module: nn.Module, stack: str, keep_transposed: bool) -> None:
+        weight = getattr(module, stack)
         state = grouped_experts.fp8_experts(module)
         names = (*state.names, stack) if state is not None else (stack,)
         module.__dict__[grouped_experts.FP8_ATTR] = grouped_experts.Fp8Experts(
             names, state.dtype if state is not None else weight.dtype, self.experts_input_gradient)
-        setattr(module, stack, nn.Parameter(fp8.data, requires_grad=False))
-        scale, transposed = grouped_experts.fp8_buffers(stack)
-        module.register_buffer(scale, fp8.scale, persistent=False)
-        if fp8.transposed is not None:
-            module.register_buffer(transposed, fp8.transposed, persistent=False)
+        self._swap_in(name, module, stack, Fp8ExpertWeight.quantize(weight, keep_transposed=keep_transposed),
+                      grouped_experts.fp8_buffers(stack))
         self.stacks[name] = (module, stack)
 
     def _quantize(self, name: str, module: nn.Linear, keep_transposed: bool) -> None:
-        weight = module.weight
-        self.host[name] = weight.detach().to("cpu", copy=True)
-        fp8 = Fp8Weight.quantize(weight, keep_transposed=keep_transposed)
-        self.bf16_bytes += weight.numel() * weight.element_size()
-        self.fp8_bytes += fp8.nbytes
-        module.weight = nn.Parameter(fp8.data, requires_grad=False)
-        module.register_buffer(SCALE, fp8.scale, persistent=False)
-        if fp8.transposed is not None:
-            module.register_buffer(TRANSPOSED, fp8.transposed, persistent=False)
+        self._swap_in(name, module, "weight", Fp8Weight.quantize(module.weight, keep_transposed=keep_transposed),
+                      (SCALE, TRANSPOSED))
         replace_forward(module, KEY, lambda original: _Forward(module, name, self.cache, self.input_gradient))
         self.modules[name] = module
 
@@ -189,20 +198,9 @@ class Fp8Weights:
         """Every quantized module back to its bf16 weight (the host copy: the same bits) and stock forward."""
         for name, module in self.modules.items():
             restore_forward(module, KEY)
-            device = module.weight.device
-            # the e4m3 copy's memory goes back before the bf16 one is allocated, whoever still holds a
-            # reference (H100, 32k rows: a restore that held both ran out of memory)
-            for tensor in (module.weight, *(module._buffers.pop(b, None) for b in (SCALE, TRANSPOSED))):
-                if tensor is not None:
-                    tensor.untyped_storage().resize_(0)
-            module.weight = nn.Parameter(self.host[name].to(device), requires_grad=False)
+            self._give_back(name, module, "weight", (SCALE, TRANSPOSED))
         for name, (module, stack) in self.stacks.items():
-            device = getattr(module, stack).device
-            for tensor in (getattr(module, stack), *(module._buffers.pop(b, None)
-                                                     for b in grouped_experts.fp8_buffers(stack))):
-                if tensor is not None:
-                    tensor.untyped_storage().resize_(0)
-            setattr(module, stack, nn.Parameter(self.host[name].to(device), requires_grad=False))
+            self._give_back(name, module, stack, grouped_experts.fp8_buffers(stack))
             module.__dict__.pop(grouped_experts.FP8_ATTR, None)
         self.modules.clear()
         self.stacks.clear()

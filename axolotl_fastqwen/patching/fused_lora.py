@@ -19,9 +19,10 @@ the patch: Axolotl applies LoRA after the plugin patches). Each call checks that
 plain case: one active unmerged adapter (its `lora_dropout` applied to the adapter's input, as peft
 does), no DoRA or other variant, no LoRA bias, no `fan_in_fan_out`, and either autocast or one dtype
 for the input and the adapter; anything else (mixed-adapter batches, merged or disabled adapters,
-fp32 adapters without autocast) runs peft's own forward, and the report counts both. Layers Axolotl's LoRA kernels patch (its
-`lora_*_kernel`) never call this forward: those kernels do the same fusion. Under FSDP or DeepSpeed
-(which gather `lora_B`'s weight only when its own module runs) it is off (`integration/settings.py`).
+fp32 adapters without autocast) runs peft's own forward, and the report counts both. Layers
+Axolotl's LoRA kernels patch (its `lora_*_kernel`) never call this forward: those kernels do the same
+fusion. Under FSDP or DeepSpeed (which gather `lora_B`'s weight only when its own module runs) it is
+off (`integration/settings.py`).
 """
 
 from __future__ import annotations
