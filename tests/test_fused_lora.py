@@ -140,9 +140,13 @@ def test_under_bf16_autocast_the_fused_layers_are_as_close_to_fp32_as_peft_s_bf1
         report = patch_model(model, fused_cross_entropy=False, fused_lora=fused, log=False)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, grads = _loss_and_grads(model, batch)
+        upcast_notes = [n for n in report.to_dict()["notes"] if "input upcast" in n]
         if fused:
             assert report.to_dict()["fused_lora"]["fused_calls"] > 0
             assert all(g.dtype == torch.float32 for g in grads.values())  # the adapters' own dtype
+            assert not upcast_notes  # every layer runs fused, which never upcasts: nothing to claim
+        else:
+            assert len(upcast_notes) == 1 and "peft LoRA layers skip" in upcast_notes[0], upcast_notes
         unpatch_model(model)
         flat = torch.cat([grads[n].flatten() for n in fp32])
         errors[fused] = (rel(loss, fp32_loss), rel(flat, torch.cat([fp32[n].flatten() for n in fp32])))

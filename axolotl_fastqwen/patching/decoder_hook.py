@@ -95,7 +95,8 @@ class DecoderPreHook:
             self.expert_adapters.update()
         if self.fused_lora is not None:
             self.fused_lora.update()
-        for note in (self.lora_cast.describe(), self.expert_adapters and self.expert_adapters.describe()):
+        fused = self.fused_lora.fused_layers(self.lora_cast.layers) if self.fused_lora is not None else 0
+        for note in (self.lora_cast.describe(fused), self.expert_adapters and self.expert_adapters.describe()):
             if note and note not in self.report.kernels.notes:
                 self.report.kernels.notes.append(note)
 

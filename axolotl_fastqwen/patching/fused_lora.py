@@ -112,6 +112,11 @@ class FusedLora:
             restore_forward(module, KEY)
         self.layers = None
 
+    def fused_layers(self, layers) -> int:
+        """How many of `layers` carry the fused forward."""
+        mine = {id(m) for m in self.layers or []}
+        return sum(id(m) in mine for m in layers or [])
+
     def to_dict(self) -> dict:
         """Layers found, calls fused, and calls by why peft's forward ran (read live by the report)."""
         return {"layers": len(self.layers or []), "fused_calls": self.counts["fused"],

@@ -54,9 +54,18 @@ class LoraInputCast:
             m.cast_input_dtype_enabled = value
         self.skipping = None
 
-    def describe(self) -> str | None:
-        """What happened, for the report: only once a forward under autocast has skipped the cast."""
+    def describe(self, fused: int = 0) -> str | None:
+        """What happened, for the report: only once a forward under autocast has skipped the cast.
+        `fused`: how many of the layers run the fused LoRA forward (`fused_lora.py`), which never
+        upcasts: for those the skip matters only where they fall back to peft's forward."""
         if not self.layers or not self.skipped:
             return None
+        unfused = len(self.layers) - min(fused, len(self.layers))
+        if not unfused:
+            return None
+        if fused:
+            return (f"{unfused} peft LoRA layers that do not run fused skip their fp32 input upcast under autocast "
+                    "(autocast recasts to bf16 before the matmul: same bits, two copies fewer each way); the "
+                    f"{len(self.layers) - unfused} fused ones never upcast")
         return (f"{len(self.layers)} peft LoRA layers skip their fp32 input upcast under autocast "
                 "(autocast recasts to bf16 before the matmul: same bits, two copies fewer each way)")

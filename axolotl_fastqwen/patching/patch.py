@@ -195,9 +195,9 @@ def patch_model(
         (`memory/checkpoint_offload.py`); layers whose activations are kept are untouched. "auto": only
         once a training forward's inputs would take the device past `AUTO_FRACTION` of its memory (on
         from then on).
-    fused_lora: peft's LoRA linear layers run as one autograd function each (`patching/fused_lora.py`):
-        the adapter's product added by the GEMM, both input gradients accumulated by it, no full-size
-        scale or add; peft's own forward wherever the layer is not the plain case.
+    fused_lora: peft's LoRA linear layers add the adapter's product in its second GEMM
+        (`torch.addmm`, `patching/fused_lora.py`): no full-size scale or add, autograd's native
+        backward; peft's own forward wherever the layer is not the plain case.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """

@@ -76,5 +76,7 @@ for stage in ${STAGES:-tests}; do
   esac
 done
 tar czf "$OUT/results.tgz" -C "$OUT" res && rm -rf "$RES"
-tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M -d - "$OUT/triton-cache.tgz.part"
+# Triton's cache comes back xz-compressed (a third of gzip's size: the returned files are capped in
+# total as well as each under 16 MiB); env.sh unpacks `.gpu-cache/triton-cache.txz*` first.
+tar cf - -C "$TRITON_CACHE_DIR" . | xz -6 -T0 | split -b 15M -d - "$OUT/triton-cache.txz.part"
 ls -la "$OUT"
