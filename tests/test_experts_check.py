@@ -163,4 +163,6 @@ def test_fastqwen_grouped_is_checked_with_its_factored_lora_too(model, monkeypat
                         lambda m, x, i, w, lora=None: real(m, x, i, w))  # drops the adapter
     check = selfcheck_experts(model, torch.float32, devices=("cpu",))
     assert check.implementation == "grouped_mm" and implementations(model) == {"grouped_mm"}
-    assert [name for name, _ in check.rejected] == [GROUPED] and "rel. error" in check.rejected[0][1]
+    # on a CPU its gate runs the module's own _apply_gate (the Triton kernels are for GPUs): one try
+    assert [name for name, _ in check.rejected] == [f"{GROUPED} (routed SwiGLU: torch)"]
+    assert "rel. error" in check.rejected[0][1]

@@ -1005,3 +1005,66 @@ def test_fused_lora_linear_at_the_27b_shapes(gpu_record):
         assert errs["fused"] <= OP_TOL and errs["fused"] <= 1.25 * errs["peft"], rows[-1]
         del holder, layer, x, dy, ref, y_ref
     gpu_record({"test": "fused_lora_linear_27b_shapes", "rows": rows})
+
+
+def test_routed_swiglu_at_the_35b_a3b_expert_shapes(gpu_record):
+    """`ops/routed_swiglu.py` at the 35B-A3B's routed rows (8,192 tokens x top-8, moe_intermediate 512,
+    bf16 `[gate | up]` and routing weights): the forward, d[gate | up] and dw against fp64 autograd of
+    transformers' gate then the weight, `OP_TOL`, and no farther from it than the unfused bf16 ops the
+    module ran before (x1.05); both timed forward + backward. Then the whole experts module (all 256
+    experts, `fastqwen_grouped`) forward + backward with the kernels and with the module's own gate
+    (recorded: the lever's effect on the experts alone)."""
+    import torch.nn.functional as F
+
+    from axolotl_fastqwen.diagnostics.model_shapes import build_experts
+    from axolotl_fastqwen.kernel_choice import fp8_decision
+    from axolotl_fastqwen.layers import grouped_experts
+    from axolotl_fastqwen.ops.routed_swiglu import routed_swiglu_triton
+    from fastqwen_bench.shapes import get_shape
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    rows, inter = 8192 * 8, 512
+    gu = (torch.randn(rows, 2 * inter, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    w = torch.rand(rows, generator=gen, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(rows, inter, generator=gen, device="cuda").to(torch.bfloat16)
+    g64, w64 = gu.double().requires_grad_(True), w.double().requires_grad_(True)
+    gate, up = g64.chunk(2, dim=-1)
+    truth = F.silu(gate) * up * w64.unsqueeze(-1)
+    truth.backward(dy.double())
+
+    def unfused(x, ww):  # what fastqwen_grouped ran before: the module's gate in bf16, then the weight
+        g, u = x.chunk(2, dim=-1)
+        return F.silu(g) * u * ww.unsqueeze(-1)
+
+    def run(fn):
+        x, ww = gu.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(x, ww)
+        out.backward(dy)
+        return out, x.grad, ww.grad
+
+    row = {"rows": rows, "intermediate": inter}
+    for name, fn in (("fused", routed_swiglu_triton), ("unfused", unfused)):
+        out, dx, dw = run(fn)
+        row[name] = max(_rel(out, truth), _rel(dx, g64.grad), _rel(dw, w64.grad))
+        row[f"{name}_ms"] = fp8_decision.median_ms(lambda fn=fn: run(fn), iters=10, warmup=3)
+    del g64, w64, truth
+    experts = build_experts(get_shape("qwen3.5-35b-a3b"), torch.device("cuda"), torch.bfloat16,
+                            implementation=grouped_experts.GROUPED)
+    grouped_experts.register()
+    hidden = torch.randn(8192, experts.gate_up_proj.shape[-1], generator=gen, device="cuda").to(torch.bfloat16)
+    index = torch.rand(8192, experts.num_experts, generator=gen, device="cuda").argsort(dim=-1)[:, :8]
+    weights = torch.rand(8192, 8, generator=gen, device="cuda").softmax(-1).to(torch.bfloat16)
+    grad = torch.randn(8192, hidden.shape[1], generator=gen, device="cuda").to(torch.bfloat16)
+
+    def step():
+        x = hidden.clone().requires_grad_(True)
+        experts(x, index, weights).backward(grad)
+
+    for activation in ("triton", "torch"):
+        experts.__dict__[grouped_experts.ACTIVATION_ATTR] = activation
+        assert grouped_experts.routed_activation(experts, hidden) == activation
+        row[f"experts_{activation}_ms"] = fp8_decision.median_ms(step, iters=10, warmup=3)
+    row["experts_speedup"] = row["experts_torch_ms"] / row["experts_triton_ms"]
+    row["activation_speedup"] = row["unfused_ms"] / row["fused_ms"]
+    gpu_record({"test": "routed_swiglu_35b_a3b_shapes", **row})
+    assert row["fused"] <= OP_TOL and row["fused"] <= 1.05 * row["unfused"], row

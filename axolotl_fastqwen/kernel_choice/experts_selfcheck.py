@@ -8,7 +8,10 @@ first `CHECK_EXPERTS` experts of the model's first experts module (its own weigh
 intermediate sizes, its top-k) and compared with transformers' eager loop in fp32 (for
 `fastqwen_grouped` with its factored LoRA as well, against the merged weights). One that raises
 or disagrees is replaced, through transformers' `set_experts_implementation`, by the next of
-`FALLBACK_ORDER` that passes, and the report says why; the eager loop is the last resort.
+`FALLBACK_ORDER` that passes, and the report says why; the eager loop is the last resort. Where
+`fastqwen_grouped` runs its gate and routing weight in the Triton kernels of `ops/routed_swiglu.py` and
+fails, it is checked again on the module's own gate (pinned on every experts module if that passes)
+before another implementation is tried.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..layers.experts_implementation import experts_implementation, experts_modules, set_experts_implementation
-from ..layers.grouped_experts import GROUPED, ExpertLora, fp8_experts, grouped_experts_forward, register
+from ..layers.grouped_experts import (ACTIVATION_ATTR, GROUPED, ExpertLora, fp8_experts, grouped_experts_forward,
+                                      register, routed_activation, silu_gate)
 from .selfcheck import TOLERANCE, rel_err
 
 LOG = logging.getLogger("axolotl_fastqwen")
@@ -58,15 +62,18 @@ def _dispatched(module: nn.Module) -> bool:
 
 
 def check_module(module: nn.Module, implementation: str, dtype: torch.dtype, device: torch.device,
-                 experts: int = CHECK_EXPERTS) -> nn.Module:
+                 experts: int = CHECK_EXPERTS, activation: str | None = None) -> nn.Module:
     """A module of `module`'s class holding copies of its first `experts` experts, in `dtype`, set
-    to run `implementation` (its own config copy: the model's is not touched)."""
+    to run `implementation` (its own config copy: the model's is not touched), with `fastqwen_grouped`'s
+    routed activation pinned to `activation` where given."""
     config = copy.copy(module.config)
     config.num_experts = experts
     config._experts_implementation = implementation
     with torch.device("meta"):
         proxy = type(module)(config)
     proxy.config = config  # `use_experts_implementation` keeps the config it was built with
+    if activation is not None:
+        proxy.__dict__[ACTIVATION_ATTR] = activation
     for name, weight in module.named_parameters(recurse=False):
         if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
             # FSDP2 shards: a copy would need a collective in the middle of the first forward
@@ -120,7 +127,8 @@ def _lora_factors(module: nn.Module, experts: int, rank: int) -> dict[str, tuple
     return factors
 
 
-def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dtype, lora_rank: int = 0) -> float:
+def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dtype, lora_rank: int = 0,
+            activation: str | None = None) -> float:
     """Max relative error of the output and of the gradients (hidden states, routing weights and
     expert weights) of `implementation` at `dtype` against the eager loop in fp32. With
     `lora_rank` (`fastqwen_grouped` only): both stacked weights frozen and adapted by random
@@ -130,8 +138,8 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
     experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
     hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
     try:
-        proxies = [(check_module(module, impl, cast, device, experts=experts), cast)
-                   for impl, cast in ((implementation, dtype), ("eager", torch.float32))]
+        proxies = [(check_module(module, impl, cast, device, experts=experts, activation=act), cast)
+                   for impl, cast, act in ((implementation, dtype, activation), ("eager", torch.float32, None))]
     except Exception as exc:
         raise CheckSetupError(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     factors = _lora_factors(module, experts, lora_rank) if lora_rank else {}
@@ -196,19 +204,28 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
     routed = min(top_k, n_experts)
     tol = TOLERANCE.get(dtype, 2e-2)
     rejected: list[tuple[str, str]] = []
-    candidates = [implementation] + [name for name in FALLBACK_ORDER if name != implementation]
-    for name in candidates:
+    names = [implementation] + [name for name in FALLBACK_ORDER if name != implementation]
+    candidates: list[tuple[str, str | None]] = []  # (implementation, fastqwen_grouped's routed activation)
+    for name in names:
+        candidates.append((name, None))
+        if name == GROUPED and silu_gate(module):
+            candidates.append((name, "torch"))  # its Triton activation failing is no reason to leave it
+    for name, activation in candidates:
         if name == "eager":
             break
+        grouped_activation = routed_activation(module, module.gate_up_proj) if name == GROUPED else None
+        if activation is not None and grouped_activation == activation:
+            continue  # the first try already ran this one
+        label = f"{name} (routed SwiGLU: {activation or grouped_activation})" if name == GROUPED else name
         try:
-            err = compare(module, name, top_k, dtype)
+            err = compare(module, name, top_k, dtype, activation=activation)
             if name == GROUPED:  # its factored LoRA path too (it runs whenever peft adapts the experts)
-                err = max(err, compare(module, name, top_k, dtype, lora_rank=CHECK_RANK))
+                err = max(err, compare(module, name, top_k, dtype, lora_rank=CHECK_RANK, activation=activation))
         except CheckSetupError as exc:  # the harness, not the implementation: keep it, say so
             return ExpertsCheck(implementation, f"not self-checked: the experts module could not be copied ({exc})",
                                 rejected)
         except Exception as exc:  # an implementation that crashes is rejected, never trusted
-            rejected.append((name, f"raised {type(exc).__name__}: {str(exc)[:200]}"))
+            rejected.append((label, f"raised {type(exc).__name__}: {str(exc)[:200]}"))
             continue
         finally:
             if device.type == "cuda":
@@ -217,10 +234,15 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
             if name != implementation:
                 _refuse_fp8_stacks_without_grouped(module, rejected)
                 set_experts_implementation(model, name)
+            if activation is not None:  # pinned where the model trains: every experts module of it
+                for experts_module in found:
+                    experts_module.__dict__[ACTIVATION_ATTR] = activation
             return ExpertsCheck(name, f"fwd+bwd rel. error {err:.1e} <= {tol:.0e} vs eager fp32 ({n_experts} "
                                       f"experts, top-{routed}, {CHECK_TOKENS} tokens"
-                                      f"{f', factored LoRA r={CHECK_RANK}' if name == GROUPED else ''})", rejected)
-        rejected.append((name, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))
+                                      f"{f', factored LoRA r={CHECK_RANK}' if name == GROUPED else ''}"
+                                      f"{f', routed SwiGLU: {activation or grouped_activation}' if name == GROUPED else ''})",
+                                rejected)
+        rejected.append((label, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))
     for name, why in rejected:
         LOG.warning("axolotl_fastqwen: self-check rejected experts implementation %s: %s", name, why)
     _refuse_fp8_stacks_without_grouped(module, rejected)

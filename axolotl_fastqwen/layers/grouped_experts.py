@@ -9,8 +9,9 @@ on the hidden width after the down projection. And with peft's `target_parameter
 experts, peft merges `W + s·B·A` for the whole expert stack on every forward and backpropagates a
 gradient the size of that stack. Here each routed row runs `x·Wₑᵀ + s·(x·Aₑᵀ)·Bₑᵀ` with grouped
 GEMMs (the low-rank ones through the rank), the routing weight scales the intermediate row (4x
-narrower than the hidden one; the down projection is linear, so the product is the same), and the
-k rows of a token are summed after one gather. Expert parallelism, biases and post-expert norms
+narrower than the hidden one; the down projection is linear, so the product is the same), with
+SiLU in one Triton kernel each way on a GPU (`ops/routed_swiglu.py`), and the k rows of a token are
+summed after one gather. Expert parallelism, biases and post-expert norms
 are not handled here: such modules run transformers' `grouped_mm` unchanged. With `fastqwen_fp8`,
 a frozen stack quantized by `patching/fp8_weights.py` runs its grouped GEMMs on FP8
 (`ops/fp8_grouped.py`); the module says so in its `Fp8Experts`.
@@ -24,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import availability
 from ..ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm
+from ..ops.routed_swiglu import routed_swiglu_triton
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
 REPLACES = "grouped_mm"  # the implementation it stands in for (same math)
@@ -83,6 +86,41 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
     """The dtype the routed rows and the expert LoRA run in: the stacks' own, or theirs before FP8."""
     fp8 = fp8_experts(module)
     return fp8.dtype if fp8 is not None else module.gate_up_proj.dtype
+
+
+ACTIVATION_ATTR = "_fastqwen_routed_swiglu"  # a module's activation, when the experts self-check pinned it
+ACTIVATIONS = ("triton", "torch")  # ops/routed_swiglu.py's kernels; the module's own gate, then the weight
+
+
+def silu_gate(module: nn.Module) -> bool:
+    """transformers' own gate on a concatenated `[gate | up]` with SiLU (Qwen3.5-MoE, Qwen3-Next): the
+    computation `ops/routed_swiglu.py` fuses. Any other gate or layout keeps the module's `_apply_gate`."""
+    gate = getattr(type(module), "_apply_gate", None)
+    return (getattr(gate, "__name__", None) == "_default_apply_gate"
+            and getattr(gate, "__module__", "").startswith("transformers.")
+            and getattr(module, "is_concatenated", True)
+            and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"))
+
+
+def routed_activation(module: nn.Module, rows: torch.Tensor) -> str:
+    """Which of `ACTIVATIONS` runs the module's gate and routing weight on `rows`: the Triton kernels on
+    a GPU (unless the experts self-check pinned "torch": `kernel_choice/experts_selfcheck.py`), the
+    module's own gate elsewhere, under torch.compile (which fuses it itself) and for other gates."""
+    if (not silu_gate(module) or not rows.is_cuda or torch.compiler.is_compiling()
+            or module.__dict__.get(ACTIVATION_ATTR) == "torch" or not availability.importable("triton")):
+        return "torch"
+    return "triton"
+
+
+def describe_activation(module: nn.Module) -> str:
+    """The report's line on who runs `fastqwen_grouped`'s gate and routing weight, and why."""
+    if not silu_gate(module):
+        return f"the module's own _apply_gate, then the routing weight ({type(module).__qualname__} has another gate)"
+    if module.__dict__.get(ACTIVATION_ATTR) == "torch":
+        return "the module's own _apply_gate, then the routing weight (the Triton kernels failed the self-check)"
+    if module.gate_up_proj.device.type != "cuda":
+        return f"the module's own _apply_gate, then the routing weight (on {module.gate_up_proj.device.type})"
+    return "triton (ops/routed_swiglu.py: silu(gate)·up·w in one kernel each way)"
 
 
 def supports(module: nn.Module) -> bool:
@@ -162,8 +200,13 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
     rows = _RoutedRows.apply(hidden_states, order, unsort, k).to(weight_dtype)
-    inner = self._apply_gate(_project(rows, self, "gate_up_proj", offsets, expert_ids, lora.get("gate_up_proj")))
-    inner = inner * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(inner.dtype)
+    gate_up = _project(rows, self, "gate_up_proj", offsets, expert_ids, lora.get("gate_up_proj"))
+    routing = top_k_weights.reshape(-1)[order]
+    if routed_activation(self, gate_up) == "triton":
+        inner = routed_swiglu_triton(gate_up, routing)
+    else:
+        inner = self._apply_gate(gate_up)
+        inner = inner * routing.unsqueeze(-1).to(inner.dtype)
     out = _project(inner, self, "down_proj", offsets, expert_ids, lora.get("down_proj"))
     return _CombinedRows.apply(out, order, unsort, k).to(hidden_states.dtype)
 

@@ -1,0 +1,184 @@
+"""The routed experts' gate and routing weight in one kernel each way (`ops/routed_swiglu.py`), as
+`fastqwen_grouped` runs it on a GPU, and how the experts self-check treats it.
+
+References: the fp64 autograd of transformers' own formula (`act_fn(gate) * up`, then the routing
+weight) for the kernels, and transformers' eager experts loop in fp32 for the whole experts module.
+The Triton kernels run here in Triton's interpreter (`TRITON_INTERPRET=1`, a subprocess); on the GPU
+in tests/test_gpu_kernels.py at the 35B-A3B's shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from axolotl_fastqwen import patch_model, unpatch_model
+from axolotl_fastqwen.kernel_choice import experts_selfcheck as experts_check
+from axolotl_fastqwen.kernel_choice.selfcheck import TOLERANCE
+from axolotl_fastqwen.layers import grouped_experts
+from axolotl_fastqwen.layers.experts_implementation import experts_modules
+from axolotl_fastqwen.ops.routed_swiglu import routed_swiglu_reference
+from tiny_assets import build_tiny_model
+
+pytest.importorskip("transformers.integrations.moe")
+
+# fp32 kernels against fp64: round-off of a few fp32 ops per element (measured 1.2e-7); bf16 inputs and
+# outputs, the truth computed from the same bf16 inputs: one bf16 rounding of each result, at most
+# bf16's unit round-off 2^-8 = 3.9e-3 relative per element, so the norm ratio is below it (measured 3.2e-3)
+FP32_TOL, BF16_TOL = 1e-5, 2 ** -8
+
+INTERPRETED = r"""
+import torch, torch.nn.functional as F
+from axolotl_fastqwen.ops.routed_swiglu import routed_swiglu_triton
+
+def rel(a, b):
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+
+torch.manual_seed(0)
+worst = {}
+# rows not a multiple of the 8-row block, I past one 256-column block (the backward's loop and the
+# masks), a strided [gate | up] (a column slice of a wider tensor), no rows at all, bf16
+for rows, inter, dtype, wide in [(37, 300, torch.float32, False), (9, 64, torch.float32, True),
+                                 (0, 64, torch.float32, False), (21, 300, torch.bfloat16, False)]:
+    base = torch.randn(rows, 2 * inter + (5 if wide else 0)) * 2
+    gu = base[:, :2 * inter].to(dtype)
+    w = torch.rand(rows).to(dtype)
+    dy = torch.randn(rows, inter).to(dtype)
+    g64, w64 = gu.double().requires_grad_(True), w.double().requires_grad_(True)
+    gate, up = g64.chunk(2, dim=-1)
+    truth = F.silu(gate) * up * w64.unsqueeze(-1)  # transformers' gate, then the weight, in fp64
+    truth.backward(dy.double())
+    x, ww = gu.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    if wide:
+        x = base[:, :2 * inter].clone().requires_grad_(True)
+        x_in = torch.cat([x, torch.zeros(rows, 5)], dim=1)[:, :2 * inter]  # stride 2I+5, unit column stride
+        assert x_in.stride(0) == 2 * inter + 5
+    else:
+        x_in = x
+    out = routed_swiglu_triton(x_in, ww)
+    assert out.dtype == dtype and out.shape == (rows, inter)
+    out.backward(dy)
+    if rows == 0:
+        assert x.grad.shape == x.shape and ww.grad.shape == (0,)
+        continue
+    errs = [rel(out, truth.detach()), rel(x.grad, g64.grad), rel(ww.grad, w64.grad)]
+    worst[str(dtype)] = max(worst.get(str(dtype), 0.0), *errs)
+print(worst)
+print("ok")
+"""
+
+WHOLE_EXPERTS = r"""
+import torch
+from axolotl_fastqwen.kernel_choice.experts_selfcheck import compare
+from axolotl_fastqwen.layers import grouped_experts
+from axolotl_fastqwen.layers.experts_implementation import experts_modules
+from axolotl_fastqwen.layers.grouped_experts import GROUPED, register
+from tiny_assets import build_tiny_model
+
+calls = []
+kernel = grouped_experts.routed_swiglu_triton
+grouped_experts.routed_swiglu_triton = lambda gu, w: calls.append(gu.shape) or kernel(gu, w)
+grouped_experts.routed_activation = lambda module, rows: "triton"  # the GPU's choice, on this CPU
+register()
+for family in ("qwen3_5_moe", "qwen3_next"):
+    module = experts_modules(build_tiny_model(family))[0]
+    top_k = module.config.num_experts_per_tok
+    errs = [compare(module, GROUPED, top_k, torch.float32), compare(module, GROUPED, top_k, torch.float32, lora_rank=16)]
+    print(family, errs)
+    assert max(errs) <= 1e-5, (family, errs)
+assert len(calls) >= 4, calls
+print("ok")
+"""
+
+
+def _interpreted(script: str) -> str:
+    pytest.importorskip("triton")
+    tools = str(Path(__file__).resolve().parent.parent / "tools")  # tiny_assets, as conftest.py adds it
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (tools, os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_kernels_give_transformers_gate_times_the_weight_and_its_gradients_in_the_interpreter():
+    """Forward, d[gate | up] and dw against fp64 autograd; odd sizes, a strided input, no rows, bf16."""
+    out = _interpreted(INTERPRETED)
+    worst = eval(out.strip().splitlines()[-2])  # noqa: S307 - our own subprocess's dict of floats
+    assert worst["torch.float32"] <= FP32_TOL and worst["torch.bfloat16"] <= BF16_TOL, worst
+
+
+def test_fastqwen_grouped_with_the_kernels_matches_transformers_eager_experts_in_the_interpreter():
+    """The whole experts module, forward and backward (hidden, routing weights, expert weights; and the
+    factored LoRA's factors), with the Triton activation against transformers' eager loop in fp32."""
+    _interpreted(WHOLE_EXPERTS)
+
+
+def test_the_reference_is_transformers_gate_then_the_weight():
+    """The CPU path and the kernels' oracle: transformers' own `_apply_gate` on a real experts module,
+    times the routing weight, within fp32 round-off."""
+    module = experts_modules(build_tiny_model("qwen3_5_moe"))[0]
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(50, module.gate_up_proj.shape[1], generator=gen)
+    w = torch.rand(50, generator=gen)
+    stock = module._apply_gate(gate_up.double()) * w.double().unsqueeze(-1)
+    assert grouped_experts.silu_gate(module)
+    assert float((routed_swiglu_reference(gate_up, w).double() - stock).norm() / stock.norm()) <= FP32_TOL
+
+
+def _triton_unless_pinned(module, rows):
+    """What `routed_activation` answers on a GPU with Triton, on this CPU."""
+    return "torch" if module.__dict__.get(grouped_experts.ACTIVATION_ATTR) == "torch" else "triton"
+
+
+def test_a_failing_kernel_leaves_fastqwen_grouped_on_the_module_s_own_gate_and_unpatch_clears_it(monkeypatch):
+    """Kernels 5% off: the self-check rejects fastqwen_grouped with them, passes it on the module's own
+    gate, pins that on every experts module (the model keeps fastqwen_grouped, not transformers'
+    grouped_mm), and the report says so; `unpatch_model` takes the pin off."""
+    model = build_tiny_model("qwen3_5_moe")
+    patch_model(model, fused_cross_entropy=False, log=False)
+    monkeypatch.setattr(grouped_experts, "routed_activation", _triton_unless_pinned)
+    monkeypatch.setattr(experts_check, "routed_activation", _triton_unless_pinned)
+    monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", lambda gu, w: routed_swiglu_reference(gu, w) * 1.05)
+    check = experts_check.selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == grouped_experts.GROUPED, check
+    assert [name for name, _ in check.rejected] == [f"{grouped_experts.GROUPED} (routed SwiGLU: triton)"], check
+    assert "> 2e-03" in check.rejected[0][1] and "routed SwiGLU: torch" in check.selfcheck
+    modules = experts_modules(model)
+    assert {m.__dict__.get(grouped_experts.ACTIVATION_ATTR) for m in modules} == {"torch"}
+    assert "failed the self-check" in grouped_experts.describe_activation(modules[0])
+    unpatch_model(model)
+    assert all(grouped_experts.ACTIVATION_ATTR not in m.__dict__ for m in modules)
+
+
+def test_working_kernels_pass_the_experts_self_check_and_are_reported(monkeypatch):
+    """The self-check's label and line name the activation; on a CPU the report says why it is the
+    module's own gate."""
+    model = build_tiny_model("qwen3_5_moe")
+    report = patch_model(model, fused_cross_entropy=False, log=False)
+    line = report.to_dict()["experts"]["routed_swiglu"]
+    assert line.startswith("the module's own _apply_gate") and "(on cpu)" in line
+    assert "gate and routing weight: the module's own _apply_gate" in report.format()
+    monkeypatch.setattr(grouped_experts, "routed_activation", _triton_unless_pinned)
+    monkeypatch.setattr(experts_check, "routed_activation", _triton_unless_pinned)
+    monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", routed_swiglu_reference)  # right values
+    check = experts_check.selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == grouped_experts.GROUPED and not check.rejected, check
+    assert "routed SwiGLU: triton" in check.selfcheck
+    assert all(grouped_experts.ACTIVATION_ATTR not in m.__dict__ for m in experts_modules(model))
+    unpatch_model(model)
+
+
+def test_other_gates_keep_the_module_s_own(monkeypatch):
+    """An experts class with its own `_apply_gate` or a non-SiLU activation is not fused."""
+    module = experts_modules(build_tiny_model("qwen3_5_moe"))[0]
+    assert grouped_experts.silu_gate(module)
+    monkeypatch.setattr(module, "act_fn", torch.nn.GELU())
+    assert not grouped_experts.silu_gate(module)
+    assert grouped_experts.routed_activation(module, torch.zeros(1, 2)) == "torch"
+    assert "has another gate" in grouped_experts.describe_activation(module)
