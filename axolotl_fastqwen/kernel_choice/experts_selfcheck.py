@@ -213,10 +213,12 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
     for name, activation in candidates:
         if name == "eager":
             break
-        grouped_activation = routed_activation(module, module.gate_up_proj) if name == GROUPED else None
-        if activation is not None and grouped_activation == activation:
-            continue  # the first try already ran this one
-        label = f"{name} (routed SwiGLU: {activation or grouped_activation})" if name == GROUPED else name
+        if name == GROUPED:  # the check runs the activation the model's modules run now, then the pinned one
+            current = routed_activation(module, module.gate_up_proj)
+            if activation == current:
+                continue  # the first try already ran this one
+            activation = activation or current
+        label = f"{name} (routed SwiGLU: {activation})" if name == GROUPED else name
         try:
             err = compare(module, name, top_k, dtype, activation=activation)
             if name == GROUPED:  # its factored LoRA path too (it runs whenever peft adapts the experts)
@@ -234,13 +236,13 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
             if name != implementation:
                 _refuse_fp8_stacks_without_grouped(module, rejected)
                 set_experts_implementation(model, name)
-            if activation is not None:  # pinned where the model trains: every experts module of it
+            if name == GROUPED and activation != current:  # pinned where the model trains: every experts module
                 for experts_module in found:
                     experts_module.__dict__[ACTIVATION_ATTR] = activation
             return ExpertsCheck(name, f"fwd+bwd rel. error {err:.1e} <= {tol:.0e} vs eager fp32 ({n_experts} "
                                       f"experts, top-{routed}, {CHECK_TOKENS} tokens"
                                       f"{f', factored LoRA r={CHECK_RANK}' if name == GROUPED else ''}"
-                                      f"{f', routed SwiGLU: {activation or grouped_activation}' if name == GROUPED else ''})",
+                                      f"{f', routed SwiGLU: {activation}' if name == GROUPED else ''})",
                                 rejected)
         rejected.append((label, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))
     for name, why in rejected:
