@@ -117,7 +117,8 @@ def describe_activation(module: nn.Module) -> str:
     if not silu_gate(module):
         return f"the module's own _apply_gate, then the routing weight ({type(module).__qualname__} has another gate)"
     if module.__dict__.get(ACTIVATION_ATTR) == "torch":
-        return "the module's own _apply_gate, then the routing weight (the Triton kernels failed the self-check)"
+        return ("the module's own _apply_gate, then the routing weight (pinned: the experts self-check pins it where "
+                "the Triton kernels fail it; its line says whether they did)")
     if module.gate_up_proj.device.type != "cuda":
         return f"the module's own _apply_gate, then the routing weight (on {module.gate_up_proj.device.type})"
     return "triton (ops/routed_swiglu.py: silu(gate)·up·w in one kernel each way)"
