@@ -31,8 +31,8 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
             rejected = experts.get("rejected") or []
             lines.append(f"  {'':<22} {'':<16} self-check: {experts['selfcheck']}"
                          + ("; not: " + "; ".join(rejected) if rejected else ""))
-        if experts.get("routed_swiglu"):
-            lines.append(f"  {'':<22} {'':<16} gate and routing weight: {experts['routed_swiglu']}")
+        if experts.get("routed_rows"):
+            lines.append(f"  {'':<22} {'':<16} routed rows: {experts['routed_rows']}")
         for kind in experts.get("by_module_kind", [])[1:]:
             lines.append(f"  {'':<22} {str(kind['implementation']):<16} {kind['modules']} x {kind['class']}, run by "
                          f"{kind['runner']}")

@@ -24,7 +24,7 @@ import torch
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.families.base import unwrap
 from axolotl_fastqwen.layers.experts_implementation import experts_modules
-from axolotl_fastqwen.layers.grouped_experts import ACTIVATION_ATTR
+from axolotl_fastqwen.layers.grouped_experts import ROUTED_KERNELS_ATTR
 from axolotl_fastqwen import registry
 from axolotl_fastqwen.transformers_functions import resolved_kernel, stock_torch_kernels
 from fastqwen_bench import cpu_fla
@@ -128,9 +128,10 @@ PATHS: dict[str, PathSpec] = {
             "and add per adapted projection, autograd's sum of both input gradients): what the fused LoRA changes",
         ),
         PathSpec(
-            "fastqwen+ckpt-auto+lean+torch-gate", "packed",
-            "MoE only: fastqwen+ckpt-auto+lean with the routed experts' gate and routing weight on the module's own "
-            "_apply_gate and a multiply (as before ops/routed_swiglu.py): what the fused kernels change",
+            "fastqwen+ckpt-auto+lean+torch-rows", "packed",
+            "MoE only: fastqwen+ckpt-auto+lean with the routed experts' row work on PyTorch's ops (the module's own "
+            "_apply_gate, a multiply, a gather and a sum, as before ops/routed_swiglu.py and ops/routed_combine.py): "
+            "what the Triton row kernels change",
         ),
         PathSpec(
             "fastqwen+ckpt-auto+lean+fp8", "packed",
@@ -184,13 +185,13 @@ LETTERS = {
     "v": "axolotl-best+fp8-no-lora-kernels", "w": "fastqwen+ckpt-auto+lean+mlp-chunks",
     "x": "fastqwen+ckpt-auto+lean+offload", "y": "axolotl-best+offload",
     "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "A": "fastqwen+ckpt-auto+lean+fp8+offload",
-    "B": "fastqwen+ckpt-auto+lean+peft-lora", "C": "fastqwen+ckpt-auto+lean+torch-gate",
+    "B": "fastqwen+ckpt-auto+lean+peft-lora", "C": "fastqwen+ckpt-auto+lean+torch-rows",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
-    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-gate", "fastqwen+ckpt-auto+lean",
+    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean",
     "fastqwen+ckpt-auto+lean+fp8",
     "fastqwen+ckpt-auto+lean+fp8-forward", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
@@ -205,7 +206,7 @@ EXPERTS_PATHS = {"stock-moe-eager": "eager", "stock-moe-grouped-mm": "grouped_mm
 CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torch-norms": "fastqwen",
                       "fastqwen+ckpt-auto+lean": "fastqwen", "fastqwen+ckpt-auto+lean+fp8": "fastqwen",
                       "fastqwen+ckpt-auto+lean+peft-lora": "fastqwen",
-                      "fastqwen+ckpt-auto+lean+torch-gate": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+torch-rows": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
@@ -222,7 +223,7 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
-                    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-gate",
+                    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
                     "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                     "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
@@ -235,8 +236,8 @@ CHECKPOINT_OFFLOAD = ("fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lea
                       "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths on peft's own LoRA forward (patch_model(fused_lora=False))
 PEFT_LORA = ("fastqwen+ckpt-auto+lean+peft-lora",)
-# MoE paths whose routed experts run their gate on the module's own _apply_gate (not ops/routed_swiglu.py)
-TORCH_GATE = ("fastqwen+ckpt-auto+lean+torch-gate",)
+# MoE paths whose routed experts run their row work on PyTorch's ops (not ops/routed_swiglu.py, ops/routed_combine.py)
+TORCH_ROWS = ("fastqwen+ckpt-auto+lean+torch-rows",)
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
 FP8_BF16_INPUT_GRADIENT = ("fastqwen+ckpt-auto+lean+fp8-forward",)
 # paths whose GEMMs round to FP8 by design: their calibration loss is reported, not held to the
@@ -280,9 +281,9 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     input_gradient = "bf16" if name in FP8_BF16_INPUT_GRADIENT else "fp8"
     mlp_chunk_tokens = MLP_CHUNKS.get(name)
     fused_lora = name not in PEFT_LORA
-    torch_gate = name in TORCH_GATE
-    if torch_gate and not registry.family(family).moe:
-        raise PathSkipped(f"{family} is a dense model: no routed experts' gate")
+    torch_rows = name in TORCH_ROWS
+    if torch_rows and not registry.family(family).moe:
+        raise PathSkipped(f"{family} is a dense model: no routed experts")
     # the plugin line's default is `auto` (on where the checkpointed inputs would crowd the device): the lean
     # paths are the line's defaults plus what each names
     offload = True if name in CHECKPOINT_OFFLOAD else "auto" if name in LEAN_ACTIVATIONS else False
@@ -372,7 +373,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
             with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens, offload, fused_lora,
-                         torch_gate):
+                         torch_rows):
                 yield info
         finally:
             undo.restore()
@@ -422,7 +423,7 @@ def fla_gdn_dispatch() -> str:
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
             lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
             mlp_chunk_tokens: int | None = None, checkpoint_offload: bool | str = False,
-            fused_lora: bool = True, torch_gate: bool = False) -> Iterator[None]:
+            fused_lora: bool = True, torch_rows: bool = False) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
@@ -431,9 +432,9 @@ def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | No
                          mlp_chunk_tokens=mlp_chunk_tokens, checkpoint_offload=checkpoint_offload,
                          fused_lora=fused_lora)
     info["patch_report"] = report
-    experts = experts_modules(unwrap(model)) if torch_gate else []
+    experts = experts_modules(unwrap(model)) if torch_rows else []
     for module in experts:  # pinned as the experts self-check pins it when the kernels fail
-        module.__dict__[ACTIVATION_ATTR] = "torch"
+        module.__dict__[ROUTED_KERNELS_ATTR] = "torch"
     try:
         if device.type == "cuda":
             _selfcheck_now(report, model)

@@ -1007,13 +1007,15 @@ def test_fused_lora_linear_at_the_27b_shapes(gpu_record):
     gpu_record({"test": "fused_lora_linear_27b_shapes", "rows": rows})
 
 
-def test_routed_swiglu_at_the_35b_a3b_expert_shapes(gpu_record):
+def test_routed_row_kernels_at_the_35b_a3b_expert_shapes(gpu_record):
     """`ops/routed_swiglu.py` at the 35B-A3B's routed rows (8,192 tokens x top-8, moe_intermediate 512,
     bf16 `[gate | up]` and routing weights): the forward, d[gate | up] and dw against fp64 autograd of
     transformers' gate then the weight, `OP_TOL`, and no farther from it than the unfused bf16 ops the
-    module ran before (x1.05); both timed forward + backward. Then the whole experts module (all 256
-    experts, `fastqwen_grouped`) forward + backward with the kernels and with the module's own gate
-    (recorded: the lever's effect on the experts alone)."""
+    module ran before (x1.05); both timed forward + backward. `ops/routed_combine.py` on the routed rows
+    at hidden 2048 (with a second source, as expert LoRA gives it) against the fp64 gather-and-sum,
+    timed against PyTorch's. Then the whole experts module (all 256 experts, `fastqwen_grouped`)
+    forward + backward on the Triton row kernels and on PyTorch's ops (recorded: their effect on the
+    experts alone)."""
     import torch.nn.functional as F
 
     from axolotl_fastqwen.diagnostics.model_shapes import build_experts
@@ -1048,6 +1050,17 @@ def test_routed_swiglu_at_the_35b_a3b_expert_shapes(gpu_record):
         row[name] = max(_rel(out, truth), _rel(dx, g64.grad), _rel(dw, w64.grad))
         row[f"{name}_ms"] = fp8_decision.median_ms(lambda fn=fn: run(fn), iters=10, warmup=3)
     del g64, w64, truth
+    from axolotl_fastqwen.ops.routed_combine import routed_combine_triton
+
+    src = torch.randn(rows, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    extra = torch.randn(rows, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    unsort = torch.randperm(rows, generator=gen, device="cuda")
+    truth = (src.double()[unsort] + extra.double()[unsort]).view(-1, 8, 2048).sum(dim=1)
+    row["combine"] = _rel(routed_combine_triton(src, unsort, 8, extra), truth)
+    row["combine_torch"] = _rel((src + extra)[unsort].view(-1, 8, 2048).sum(dim=1), truth)
+    row["combine_ms"] = fp8_decision.median_ms(lambda: routed_combine_triton(src, unsort, 8), iters=10, warmup=3)
+    row["combine_torch_ms"] = fp8_decision.median_ms(lambda: src[unsort].view(-1, 8, 2048).sum(dim=1), iters=10, warmup=3)
+    del src, extra, truth
     experts = build_experts(get_shape("qwen3.5-35b-a3b"), torch.device("cuda"), torch.bfloat16,
                             implementation=grouped_experts.GROUPED)
     grouped_experts.register()
@@ -1061,10 +1074,11 @@ def test_routed_swiglu_at_the_35b_a3b_expert_shapes(gpu_record):
         experts(x, index, weights).backward(grad)
 
     for activation in ("triton", "torch"):
-        experts.__dict__[grouped_experts.ACTIVATION_ATTR] = activation
-        assert grouped_experts.routed_activation(experts, hidden) == activation
+        experts.__dict__[grouped_experts.ROUTED_KERNELS_ATTR] = activation
+        assert grouped_experts.routed_kernels(experts, hidden) == activation
         row[f"experts_{activation}_ms"] = fp8_decision.median_ms(step, iters=10, warmup=3)
     row["experts_speedup"] = row["experts_torch_ms"] / row["experts_triton_ms"]
     row["activation_speedup"] = row["unfused_ms"] / row["fused_ms"]
-    gpu_record({"test": "routed_swiglu_35b_a3b_shapes", **row})
+    gpu_record({"test": "routed_row_kernels_35b_a3b_shapes", **row})
     assert row["fused"] <= OP_TOL and row["fused"] <= 1.05 * row["unfused"], row
+    assert row["combine"] <= OP_TOL and row["combine"] <= 1.05 * row["combine_torch"] + 1e-6, row

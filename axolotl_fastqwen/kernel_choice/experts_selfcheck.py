@@ -9,9 +9,9 @@ intermediate sizes, its top-k) and compared with transformers' eager loop in fp3
 `fastqwen_grouped` with its factored LoRA as well, against the merged weights). One that raises
 or disagrees is replaced, through transformers' `set_experts_implementation`, by the next of
 `FALLBACK_ORDER` that passes, and the report says why; the eager loop is the last resort. Where
-`fastqwen_grouped` runs its gate and routing weight in the Triton kernels of `ops/routed_swiglu.py` and
-fails, it is checked again on the module's own gate (pinned on every experts module if that passes)
-before another implementation is tried.
+`fastqwen_grouped` runs its routed rows in Triton kernels (`ops/routed_swiglu.py`, `ops/routed_combine.py`) and
+fails, it is checked again on PyTorch's ops for its routed rows (pinned on every experts module if that
+passes) before another implementation is tried.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..layers.experts_implementation import experts_implementation, experts_modules, set_experts_implementation
-from ..layers.grouped_experts import (ACTIVATION_ATTR, GROUPED, ExpertLora, fp8_experts, grouped_experts_forward,
-                                      register, routed_activation, silu_gate)
+from ..layers.grouped_experts import (ROUTED_KERNELS_ATTR, GROUPED, ExpertLora, fp8_experts, grouped_experts_forward,
+                                      register, routed_kernels)
 from .selfcheck import TOLERANCE, rel_err
 
 LOG = logging.getLogger("axolotl_fastqwen")
@@ -62,18 +62,18 @@ def _dispatched(module: nn.Module) -> bool:
 
 
 def check_module(module: nn.Module, implementation: str, dtype: torch.dtype, device: torch.device,
-                 experts: int = CHECK_EXPERTS, activation: str | None = None) -> nn.Module:
+                 experts: int = CHECK_EXPERTS, kernels: str | None = None) -> nn.Module:
     """A module of `module`'s class holding copies of its first `experts` experts, in `dtype`, set
     to run `implementation` (its own config copy: the model's is not touched), with `fastqwen_grouped`'s
-    routed activation pinned to `activation` where given."""
+    routed-row kernels pinned to `kernels` where given."""
     config = copy.copy(module.config)
     config.num_experts = experts
     config._experts_implementation = implementation
     with torch.device("meta"):
         proxy = type(module)(config)
     proxy.config = config  # `use_experts_implementation` keeps the config it was built with
-    if activation is not None:
-        proxy.__dict__[ACTIVATION_ATTR] = activation
+    if kernels is not None:
+        proxy.__dict__[ROUTED_KERNELS_ATTR] = kernels
     for name, weight in module.named_parameters(recurse=False):
         if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
             # FSDP2 shards: a copy would need a collective in the middle of the first forward
@@ -128,7 +128,7 @@ def _lora_factors(module: nn.Module, experts: int, rank: int) -> dict[str, tuple
 
 
 def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dtype, lora_rank: int = 0,
-            activation: str | None = None) -> float:
+            kernels: str | None = None) -> float:
     """Max relative error of the output and of the gradients (hidden states, routing weights and
     expert weights) of `implementation` at `dtype` against the eager loop in fp32. With
     `lora_rank` (`fastqwen_grouped` only): both stacked weights frozen and adapted by random
@@ -138,8 +138,8 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
     experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
     hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
     try:
-        proxies = [(check_module(module, impl, cast, device, experts=experts, activation=act), cast)
-                   for impl, cast, act in ((implementation, dtype, activation), ("eager", torch.float32, None))]
+        proxies = [(check_module(module, impl, cast, device, experts=experts, kernels=rows), cast)
+                   for impl, cast, rows in ((implementation, dtype, kernels), ("eager", torch.float32, None))]
     except Exception as exc:
         raise CheckSetupError(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     factors = _lora_factors(module, experts, lora_rank) if lora_rank else {}
@@ -152,7 +152,9 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
                 runs.append((proxy(x, index, w), [x, w, *proxy.parameters()]))
                 continue
             proxy.requires_grad_(False)
-            leaves = {name: (a.to(device, cast).requires_grad_(True), b.to(device, cast).requires_grad_(True))
+            # own copies per run: where `.to` is a no-op (fp32 on the factors' device) both runs would share
+            # the leaves, and compare one gradient sum with itself
+            leaves = {name: (a.to(device, cast).clone().requires_grad_(True), b.to(device, cast).clone().requires_grad_(True))
                       for name, (a, b) in factors.items()}
             if candidate:
                 lora = {name: ExpertLora(a, b, LORA_SCALING) for name, (a, b) in leaves.items()}
@@ -167,7 +169,8 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
         for out, leaves in runs:
             (out.float() * grad).sum().backward()
         errors = [rel_err(runs[0][0], runs[1][0])]
-        errors += [rel_err(a.grad, b.grad) for a, b in zip(runs[0][1], runs[1][1]) if b.grad is not None]
+        errors += [rel_err(a.grad, b.grad) if a.grad is not None else float("inf")  # a gradient it never computed
+                   for a, b in zip(runs[0][1], runs[1][1]) if b.grad is not None]
     return max(errors)
 
 
@@ -205,24 +208,24 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
     tol = TOLERANCE.get(dtype, 2e-2)
     rejected: list[tuple[str, str]] = []
     names = [implementation] + [name for name in FALLBACK_ORDER if name != implementation]
-    candidates: list[tuple[str, str | None]] = []  # (implementation, fastqwen_grouped's routed activation)
+    candidates: list[tuple[str, str | None]] = []  # (implementation, fastqwen_grouped's routed-row kernels)
     for name in names:
         candidates.append((name, None))
-        if name == GROUPED and silu_gate(module):
-            candidates.append((name, "torch"))  # its Triton activation failing is no reason to leave it
-    for name, activation in candidates:
+        if name == GROUPED:
+            candidates.append((name, "torch"))  # its Triton row kernels failing is no reason to leave it
+    for name, kernels in candidates:
         if name == "eager":
             break
-        if name == GROUPED:  # the check runs the activation the model's modules run now, then the pinned one
-            current = routed_activation(module, module.gate_up_proj)
-            if activation == current:
-                continue  # the first try already ran this one
-            activation = activation or current
-        label = f"{name} (routed SwiGLU: {activation})" if name == GROUPED else name
+        if name == GROUPED:  # the check runs the row kernels the model's modules run now, then PyTorch's ops
+            current = routed_kernels(module, module.gate_up_proj)
+            if kernels == current:
+                continue  # the first try already ran these
+            kernels = kernels or current
+        label = f"{name} (routed rows: {kernels})" if name == GROUPED else name
         try:
-            err = compare(module, name, top_k, dtype, activation=activation)
+            err = compare(module, name, top_k, dtype, kernels=kernels)
             if name == GROUPED:  # its factored LoRA path too (it runs whenever peft adapts the experts)
-                err = max(err, compare(module, name, top_k, dtype, lora_rank=CHECK_RANK, activation=activation))
+                err = max(err, compare(module, name, top_k, dtype, lora_rank=CHECK_RANK, kernels=kernels))
         except CheckSetupError as exc:  # the harness, not the implementation: keep it, say so
             return ExpertsCheck(implementation, f"not self-checked: the experts module could not be copied ({exc})",
                                 rejected)
@@ -236,13 +239,13 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
             if name != implementation:
                 _refuse_fp8_stacks_without_grouped(module, rejected)
                 set_experts_implementation(model, name)
-            if name == GROUPED and activation != current:  # pinned where the model trains: every experts module
+            if name == GROUPED and kernels != current:  # pinned where the model trains: every experts module
                 for experts_module in found:
-                    experts_module.__dict__[ACTIVATION_ATTR] = activation
+                    experts_module.__dict__[ROUTED_KERNELS_ATTR] = kernels
             return ExpertsCheck(name, f"fwd+bwd rel. error {err:.1e} <= {tol:.0e} vs eager fp32 ({n_experts} "
                                       f"experts, top-{routed}, {CHECK_TOKENS} tokens"
                                       f"{f', factored LoRA r={CHECK_RANK}' if name == GROUPED else ''}"
-                                      f"{f', routed SwiGLU: {activation}' if name == GROUPED else ''})",
+                                      f"{f', routed rows: {kernels}' if name == GROUPED else ''})",
                                 rejected)
         rejected.append((label, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))
     for name, why in rejected:

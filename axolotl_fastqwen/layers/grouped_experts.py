@@ -11,7 +11,8 @@ gradient the size of that stack. Here each routed row runs `x·Wₑᵀ + s·(x·
 GEMMs (the low-rank ones through the rank), the routing weight scales the intermediate row (4x
 narrower than the hidden one; the down projection is linear, so the product is the same), with
 SiLU in one Triton kernel each way on a GPU (`ops/routed_swiglu.py`), and the k rows of a token are
-summed after one gather. Expert parallelism, biases and post-expert norms
+summed back into it in one Triton kernel on a GPU (`ops/routed_combine.py`; the down projection's
+expert-LoRA rows added in the same sum), else after one gather. Expert parallelism, biases and post-expert norms
 are not handled here: such modules run transformers' `grouped_mm` unchanged. With `fastqwen_fp8`,
 a frozen stack quantized by `patching/fp8_weights.py` runs its grouped GEMMs on FP8
 (`ops/fp8_grouped.py`); the module says so in its `Fp8Experts`.
@@ -27,6 +28,7 @@ from torch import nn
 
 from ..ops import availability
 from ..ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm
+from ..ops.routed_combine import routed_combine_triton
 from ..ops.routed_swiglu import routed_swiglu_triton
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
@@ -88,8 +90,8 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
     return fp8.dtype if fp8 is not None else module.gate_up_proj.dtype
 
 
-ACTIVATION_ATTR = "_fastqwen_routed_swiglu"  # a module's activation, when the experts self-check pinned it
-ACTIVATIONS = ("triton", "torch")  # ops/routed_swiglu.py's kernels; the module's own gate, then the weight
+ROUTED_KERNELS_ATTR = "_fastqwen_routed_kernels"  # "torch" where the experts self-check pinned the module's rows off Triton
+ROUTED_KERNELS = ("triton", "torch")  # ops/routed_swiglu.py + ops/routed_combine.py; or PyTorch's ops
 
 
 def silu_gate(module: nn.Module) -> bool:
@@ -102,26 +104,27 @@ def silu_gate(module: nn.Module) -> bool:
             and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"))
 
 
-def routed_activation(module: nn.Module, rows: torch.Tensor) -> str:
-    """Which of `ACTIVATIONS` runs the module's gate and routing weight on `rows`: the Triton kernels on
-    a GPU (unless the experts self-check pinned "torch": `kernel_choice/experts_selfcheck.py`), the
-    module's own gate elsewhere, under torch.compile (which fuses it itself) and for other gates."""
-    if (not silu_gate(module) or not rows.is_cuda or torch.compiler.is_compiling()
-            or module.__dict__.get(ACTIVATION_ATTR) == "torch" or not availability.importable("triton")):
+def routed_kernels(module: nn.Module, rows: torch.Tensor) -> str:
+    """Which of `ROUTED_KERNELS` runs the module's row work on `rows` (the gate with its routing weight,
+    where `silu_gate`, and the sums of each token's k rows, forward and in the input's gradient): the
+    Triton kernels on a GPU, unless the experts self-check pinned "torch" (`kernel_choice/experts_selfcheck.py`);
+    PyTorch's ops elsewhere and under torch.compile (which fuses them itself)."""
+    if (not rows.is_cuda or torch.compiler.is_compiling() or module.__dict__.get(ROUTED_KERNELS_ATTR) == "torch"
+            or not availability.importable("triton")):
         return "torch"
     return "triton"
 
 
-def describe_activation(module: nn.Module) -> str:
-    """The report's line on who runs `fastqwen_grouped`'s gate and routing weight, and why."""
-    if not silu_gate(module):
-        return f"the module's own _apply_gate, then the routing weight ({type(module).__qualname__} has another gate)"
-    if module.__dict__.get(ACTIVATION_ATTR) == "torch":
-        return ("the module's own _apply_gate, then the routing weight (pinned: the experts self-check pins it where "
-                "the Triton kernels fail it; its line says whether they did)")
+def describe_routed_kernels(module: nn.Module) -> str:
+    """The report's line on who runs `fastqwen_grouped`'s row work (gate, routing weight, combine), and why."""
+    if module.__dict__.get(ROUTED_KERNELS_ATTR) == "torch":
+        return ("PyTorch's ops: the module's own _apply_gate, a multiply, a gather and a sum (pinned: the experts "
+                "self-check pins them where the Triton kernels fail it; its line says whether they did)")
     if module.gate_up_proj.device.type != "cuda":
-        return f"the module's own _apply_gate, then the routing weight (on {module.gate_up_proj.device.type})"
-    return "triton (ops/routed_swiglu.py: silu(gate)·up·w in one kernel each way)"
+        return f"PyTorch's ops: the module's own _apply_gate, a multiply, a gather and a sum (on {module.gate_up_proj.device.type})"
+    gate = ("silu(gate)·up·w in one kernel each way (ops/routed_swiglu.py)" if silu_gate(module) else
+            f"the module's own _apply_gate and a multiply ({type(module).__qualname__} has another gate)")
+    return f"triton: {gate}; each token's k rows summed in one kernel (ops/routed_combine.py)"
 
 
 def supports(module: nn.Module) -> bool:
@@ -173,9 +176,13 @@ def _project(x: torch.Tensor, module: nn.Module, name: str, offsets: torch.Tenso
         weight = getattr(module, name)
         out = grouped_mm(x, weight if module.is_transposed else weight.transpose(-2, -1), offsets)
     if lora is not None:
-        low = grouped_mm(x, lora.a, offsets) * lora.scaling  # (S, rank): scaled where it is narrow
-        out = out + grouped_mm(low, lora.b, offsets)
+        out = out + _low_rank(x, lora, offsets)
     return out
+
+
+def _low_rank(x: torch.Tensor, lora: ExpertLora, offsets: torch.Tensor) -> torch.Tensor:
+    low = grouped_mm(x, lora.a, offsets) * lora.scaling  # (S, rank): scaled where it is narrow
+    return grouped_mm(low, lora.b, offsets)
 
 
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -200,53 +207,68 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     # grouped GEMMs are not autocast ops: rows go in the weights' dtype, as in transformers
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
-    rows = _RoutedRows.apply(hidden_states, order, unsort, k).to(weight_dtype)
+    triton = routed_kernels(self, hidden_states) == "triton"
+    rows = _RoutedRows.apply(hidden_states, order, unsort, k, triton).to(weight_dtype)
     gate_up = _project(rows, self, "gate_up_proj", offsets, expert_ids, lora.get("gate_up_proj"))
     routing = top_k_weights.reshape(-1)[order]
-    if routed_activation(self, gate_up) == "triton":
+    if triton and silu_gate(self):
         inner = routed_swiglu_triton(gate_up, routing)
     else:
         inner = self._apply_gate(gate_up)
         inner = inner * routing.unsqueeze(-1).to(inner.dtype)
-    out = _project(inner, self, "down_proj", offsets, expert_ids, lora.get("down_proj"))
-    return _CombinedRows.apply(out, order, unsort, k).to(hidden_states.dtype)
+    down_lora = lora.get("down_proj")
+    out = _project(inner, self, "down_proj", offsets, expert_ids, None if triton else down_lora)
+    extra = _low_rank(inner, down_lora, offsets) if triton and down_lora is not None else None  # added in the sum
+    return _CombinedRows.apply(out, extra, order, unsort, k, triton).to(hidden_states.dtype)
+
+
+def _sum_per_token(rows: torch.Tensor, unsort: torch.Tensor, k: int, triton: bool,
+                   extra: torch.Tensor | None = None) -> torch.Tensor:
+    """(T·k, H) expert-ordered rows (+ `extra`'s) -> (T, H): each token's k rows summed, accumulated in fp32."""
+    if triton:
+        return routed_combine_triton(rows, unsort, k, extra)
+    if extra is not None:
+        rows = rows + extra
+    return rows[unsort].view(-1, k, rows.shape[-1]).sum(dim=1)
 
 
 class _RoutedRows(torch.autograd.Function):
     """(T, H) -> its (T·k, H) routed rows in expert order, `x[order // k]`. Autograd's backward of
     that index is an atomic scatter-add (sorting the indices first, in bf16: 51.7 ms a step, the
     second-largest elementwise kernel of the 35B-A3B profile in benchmarks/h200/2026-12-04d); each
-    token's k rows are known, so the backward here gathers
-    them back to token order and sums the k of each token: one gather and one reduction,
-    accumulated in fp32 and in a fixed order."""
+    token's k rows are known, so the backward here sums the k rows of each token back into it
+    (`_sum_per_token`: one Triton kernel on a GPU, else a gather and a reduction), in fp32 and in a
+    fixed order."""
 
     @staticmethod
-    def forward(ctx, x, order, unsort, k):
+    def forward(ctx, x, order, unsort, k, triton):
         ctx.save_for_backward(unsort)
-        ctx.k = k
+        ctx.k, ctx.triton = k, triton
         return x[order // k]
 
     @staticmethod
     def backward(ctx, grad):
         (unsort,) = ctx.saved_tensors
-        return grad[unsort].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+        return _sum_per_token(grad, unsort, ctx.k, ctx.triton), None, None, None, None
 
 
 class _CombinedRows(torch.autograd.Function):
-    """(T·k, H) expert-ordered rows -> (T, H), each token's k rows summed: `y[unsort].view(T, k, H)
-    .sum(1)`, whose backward through the permutation is again a scatter; here it is the gather
-    `grad[order // k]`."""
+    """(T·k, H) expert-ordered rows (+ the down projection's expert-LoRA rows, `extra`, whose add is
+    folded into the sum) -> (T, H), each token's k rows summed: `_sum_per_token`. Its backward through
+    the permutation is again a scatter; here it is the gather `grad[order // k]`, the same for both
+    inputs."""
 
     @staticmethod
-    def forward(ctx, y, order, unsort, k):
+    def forward(ctx, y, extra, order, unsort, k, triton):
         ctx.save_for_backward(order)
-        ctx.k = k
-        return y[unsort].view(-1, k, y.shape[-1]).sum(dim=1)
+        ctx.k, ctx.has_extra = k, extra is not None
+        return _sum_per_token(y, unsort, k, triton, extra)
 
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        return grad[order // ctx.k], None, None, None
+        rows = grad[order // ctx.k]
+        return rows, (rows if ctx.has_extra else None), None, None, None, None
 
 
 def register() -> None:

@@ -147,7 +147,7 @@ class PatchReport:
                 "not self-checked (CPU)" if self.kernels.device.type != "cuda" else "not yet run (first forward)")
             experts["rejected"] = check.to_dict()["rejected"] if check is not None else []
             if experts["implementation"] == grouped_experts.GROUPED:
-                experts["routed_swiglu"] = grouped_experts.describe_activation(experts_modules(model)[0])
+                experts["routed_rows"] = grouped_experts.describe_routed_kernels(experts_modules(model)[0])
         return experts
 
     def format(self) -> str:
@@ -305,8 +305,8 @@ def unpatch_model(model: nn.Module) -> None:
         state["report"].offload.restore()
     if state["experts_before"] is not None and experts_implementation(experts_modules(base)[0]) == grouped_experts.GROUPED:
         set_experts_implementation(base, state["experts_before"])
-    for module in experts_modules(base):  # an activation the experts self-check pinned
-        module.__dict__.pop(grouped_experts.ACTIVATION_ATTR, None)
+    for module in experts_modules(base):  # routed-row kernels the experts self-check pinned
+        module.__dict__.pop(grouped_experts.ROUTED_KERNELS_ATTR, None)
     for module in state["modules"]:
         _uninstall(module)
     hopper_guard.release(state["report"].kernels)  # fla's own guard value, if this model's self-check lifted it

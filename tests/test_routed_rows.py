@@ -1,8 +1,10 @@
-"""The routed experts' gate and routing weight in one kernel each way (`ops/routed_swiglu.py`), as
-`fastqwen_grouped` runs it on a GPU, and how the experts self-check treats it.
+"""The routed experts' row kernels, as `fastqwen_grouped` runs them on a GPU: the gate with its routing
+weight in one kernel each way (`ops/routed_swiglu.py`) and each token's k rows summed in one kernel
+(`ops/routed_combine.py`, forward and in the input's gradient); and how the experts self-check treats them.
 
 References: the fp64 autograd of transformers' own formula (`act_fn(gate) * up`, then the routing
-weight) for the kernels, and transformers' eager experts loop in fp32 for the whole experts module.
+weight) and the fp64 gather-and-sum for the kernels, and transformers' eager experts loop in fp32
+for the whole experts module.
 The Triton kernels run here in Triton's interpreter (`TRITON_INTERPRET=1`, a subprocess); on the GPU
 in tests/test_gpu_kernels.py at the 35B-A3B's shapes.
 """
@@ -22,6 +24,7 @@ from axolotl_fastqwen.kernel_choice import experts_selfcheck as experts_check
 from axolotl_fastqwen.kernel_choice.selfcheck import TOLERANCE
 from axolotl_fastqwen.layers import grouped_experts
 from axolotl_fastqwen.layers.experts_implementation import experts_modules
+from axolotl_fastqwen.ops.routed_combine import routed_combine_reference
 from axolotl_fastqwen.ops.routed_swiglu import routed_swiglu_reference
 from tiny_assets import build_tiny_model
 
@@ -72,6 +75,31 @@ print(worst)
 print("ok")
 """
 
+COMBINE_INTERPRETED = r"""
+import torch
+from axolotl_fastqwen.ops.routed_combine import routed_combine_triton
+
+def rel(a, b):
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+
+torch.manual_seed(0)
+worst = {}
+# H past one 512-column block (masks), k = 3 and 8, with and without the second source, no tokens, bf16
+for tokens, k, cols, dtype, extra in [(13, 3, 700, torch.float32, False), (5, 8, 64, torch.float32, True),
+                                      (0, 3, 64, torch.float32, False), (11, 3, 700, torch.bfloat16, True)]:
+    src = torch.randn(tokens * k, cols).to(dtype)
+    more = torch.randn(tokens * k, cols).to(dtype) if extra else None
+    unsort = torch.randperm(tokens * k)
+    rows = src.double()[unsort] + (more.double()[unsort] if extra else 0)
+    truth = rows.view(tokens, k, cols).sum(dim=1)
+    out = routed_combine_triton(src, unsort, k, more)
+    assert out.dtype == dtype and out.shape == (tokens, cols)
+    if tokens:
+        worst[str(dtype)] = max(worst.get(str(dtype), 0.0), rel(out, truth))
+print(worst)
+print("ok")
+"""
+
 WHOLE_EXPERTS = r"""
 import torch
 from axolotl_fastqwen.kernel_choice.experts_selfcheck import compare
@@ -80,18 +108,34 @@ from axolotl_fastqwen.layers.experts_implementation import experts_modules
 from axolotl_fastqwen.layers.grouped_experts import GROUPED, register
 from tiny_assets import build_tiny_model
 
-calls = []
-kernel = grouped_experts.routed_swiglu_triton
-grouped_experts.routed_swiglu_triton = lambda gu, w: calls.append(gu.shape) or kernel(gu, w)
-grouped_experts.routed_activation = lambda module, rows: "triton"  # the GPU's choice, on this CPU
+calls = {"swiglu": 0, "combine": 0}
+swiglu, combine = grouped_experts.routed_swiglu_triton, grouped_experts.routed_combine_triton
+
+def counted_swiglu(*args):
+    calls["swiglu"] += 1
+    return swiglu(*args)
+
+def counted_combine(*args):
+    calls["combine"] += 1
+    return combine(*args)
+
+grouped_experts.routed_swiglu_triton, grouped_experts.routed_combine_triton = counted_swiglu, counted_combine
+grouped_experts.routed_kernels = lambda module, rows: "triton"  # the GPU's choice, on this CPU
 register()
-for family in ("qwen3_5_moe", "qwen3_next"):
-    module = experts_modules(build_tiny_model(family))[0]
+for family in ("qwen3_5_moe", "qwen3_next", "gelu"):
+    module = experts_modules(build_tiny_model("qwen3_5_moe" if family == "gelu" else family))[0]
+    if family == "gelu":  # another gate: the module's own _apply_gate, the Triton sums still (the check's
+        module.config.hidden_act = "gelu"  # copy of the module is built from its config)
+        module.act_fn = torch.nn.GELU()
+        assert not grouped_experts.silu_gate(module)
+    before = dict(calls)
     top_k = module.config.num_experts_per_tok
     errs = [compare(module, GROUPED, top_k, torch.float32), compare(module, GROUPED, top_k, torch.float32, lora_rank=16)]
-    print(family, errs)
+    print(family, errs, calls)
     assert max(errs) <= 1e-5, (family, errs)
-assert len(calls) >= 4, calls
+    # per compare: the routed rows' sum forward and in backward; the gate (SiLU only) once
+    assert calls["combine"] - before["combine"] == 4, calls
+    assert calls["swiglu"] - before["swiglu"] == (0 if family == "gelu" else 2), calls
 print("ok")
 """
 
@@ -113,9 +157,17 @@ def test_the_kernels_give_transformers_gate_times_the_weight_and_its_gradients_i
     assert worst["torch.float32"] <= FP32_TOL and worst["torch.bfloat16"] <= BF16_TOL, worst
 
 
+def test_the_combine_kernel_sums_each_token_s_rows_like_a_gather_and_sum_in_the_interpreter():
+    """Against the fp64 gather-and-sum; two column blocks, k = 3 and 8, the second source, no tokens, bf16."""
+    out = _interpreted(COMBINE_INTERPRETED)
+    worst = eval(out.strip().splitlines()[-2])  # noqa: S307 - our own subprocess's dict of floats
+    assert worst["torch.float32"] <= FP32_TOL and worst["torch.bfloat16"] <= BF16_TOL, worst
+
+
 def test_fastqwen_grouped_with_the_kernels_matches_transformers_eager_experts_in_the_interpreter():
     """The whole experts module, forward and backward (hidden, routing weights, expert weights; and the
-    factored LoRA's factors), with the Triton activation against transformers' eager loop in fp32."""
+    factored LoRA's factors, the down projection's through the combine's second source), with both Triton
+    kernels against transformers' eager loop in fp32; and with another gate, the combine kernel alone."""
     _interpreted(WHOLE_EXPERTS)
 
 
@@ -132,53 +184,66 @@ def test_the_reference_is_transformers_gate_then_the_weight():
 
 
 def _triton_unless_pinned(module, rows):
-    """What `routed_activation` answers on a GPU with Triton, on this CPU."""
-    return "torch" if module.__dict__.get(grouped_experts.ACTIVATION_ATTR) == "torch" else "triton"
+    """What `routed_kernels` answers on a GPU with Triton, on this CPU."""
+    return "torch" if module.__dict__.get(grouped_experts.ROUTED_KERNELS_ATTR) == "torch" else "triton"
 
 
-def test_a_failing_kernel_leaves_fastqwen_grouped_on_the_module_s_own_gate_and_unpatch_clears_it(monkeypatch):
-    """Kernels 5% off: the self-check rejects fastqwen_grouped with them, passes it on the module's own
-    gate, pins that on every experts module (the model keeps fastqwen_grouped, not transformers'
-    grouped_mm), and the report says so; `unpatch_model` takes the pin off."""
+def _broken(kind):
+    """One kernel 5% off (the other right): the reference stands in for the kernels on this CPU."""
+    swiglu = (lambda gu, w: routed_swiglu_reference(gu, w) * 1.05) if kind == "swiglu" else routed_swiglu_reference
+    combine = ((lambda src, unsort, k, extra=None: routed_combine_reference(src, unsort, k, extra) * 1.05)
+               if kind == "combine" else routed_combine_reference)
+    return swiglu, combine
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "combine"])
+def test_a_failing_kernel_leaves_fastqwen_grouped_on_pytorch_s_ops_and_unpatch_clears_it(monkeypatch, kind):
+    """Either kernel 5% off: the self-check rejects fastqwen_grouped with the Triton rows, passes it on
+    PyTorch's ops, pins that on every experts module (the model keeps fastqwen_grouped, not
+    transformers' grouped_mm), and the report says so; `unpatch_model` takes the pin off."""
     model = build_tiny_model("qwen3_5_moe")
     patch_model(model, fused_cross_entropy=False, log=False)
-    monkeypatch.setattr(grouped_experts, "routed_activation", _triton_unless_pinned)
-    monkeypatch.setattr(experts_check, "routed_activation", _triton_unless_pinned)
-    monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", lambda gu, w: routed_swiglu_reference(gu, w) * 1.05)
+    swiglu, combine = _broken(kind)
+    monkeypatch.setattr(grouped_experts, "routed_kernels", _triton_unless_pinned)
+    monkeypatch.setattr(experts_check, "routed_kernels", _triton_unless_pinned)
+    monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", swiglu)
+    monkeypatch.setattr(grouped_experts, "routed_combine_triton", combine)
     check = experts_check.selfcheck_experts(model, torch.float32, devices=("cpu",))
     assert check.implementation == grouped_experts.GROUPED, check
-    assert [name for name, _ in check.rejected] == [f"{grouped_experts.GROUPED} (routed SwiGLU: triton)"], check
-    assert "> 2e-03" in check.rejected[0][1] and "routed SwiGLU: torch" in check.selfcheck
+    assert [name for name, _ in check.rejected] == [f"{grouped_experts.GROUPED} (routed rows: triton)"], check
+    assert "> 2e-03" in check.rejected[0][1] and "routed rows: torch" in check.selfcheck
     modules = experts_modules(model)
-    assert {m.__dict__.get(grouped_experts.ACTIVATION_ATTR) for m in modules} == {"torch"}
-    assert "pinned" in grouped_experts.describe_activation(modules[0])
+    assert {m.__dict__.get(grouped_experts.ROUTED_KERNELS_ATTR) for m in modules} == {"torch"}
+    assert "pinned" in grouped_experts.describe_routed_kernels(modules[0])
     unpatch_model(model)
-    assert all(grouped_experts.ACTIVATION_ATTR not in m.__dict__ for m in modules)
+    assert all(grouped_experts.ROUTED_KERNELS_ATTR not in m.__dict__ for m in modules)
 
 
 def test_working_kernels_pass_the_experts_self_check_and_are_reported(monkeypatch):
-    """The self-check's label and line name the activation; on a CPU the report says why it is the
-    module's own gate."""
+    """The self-check's label and line name the row kernels; on a CPU the report says why they are
+    PyTorch's ops."""
     model = build_tiny_model("qwen3_5_moe")
     report = patch_model(model, fused_cross_entropy=False, log=False)
-    line = report.to_dict()["experts"]["routed_swiglu"]
-    assert line.startswith("the module's own _apply_gate") and "(on cpu)" in line
-    assert "gate and routing weight: the module's own _apply_gate" in report.format()
-    monkeypatch.setattr(grouped_experts, "routed_activation", _triton_unless_pinned)
-    monkeypatch.setattr(experts_check, "routed_activation", _triton_unless_pinned)
-    monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", routed_swiglu_reference)  # right values
+    line = report.to_dict()["experts"]["routed_rows"]
+    assert line.startswith("PyTorch's ops") and "(on cpu)" in line
+    assert "routed rows: PyTorch's ops" in report.format()
+    monkeypatch.setattr(grouped_experts, "routed_kernels", _triton_unless_pinned)
+    monkeypatch.setattr(experts_check, "routed_kernels", _triton_unless_pinned)
+    swiglu, combine = _broken(None)  # both right
+    monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", swiglu)
+    monkeypatch.setattr(grouped_experts, "routed_combine_triton", combine)
     check = experts_check.selfcheck_experts(model, torch.float32, devices=("cpu",))
     assert check.implementation == grouped_experts.GROUPED and not check.rejected, check
-    assert "routed SwiGLU: triton" in check.selfcheck
-    assert all(grouped_experts.ACTIVATION_ATTR not in m.__dict__ for m in experts_modules(model))
+    assert "routed rows: triton" in check.selfcheck
+    assert all(grouped_experts.ROUTED_KERNELS_ATTR not in m.__dict__ for m in experts_modules(model))
     unpatch_model(model)
 
 
 def test_other_gates_keep_the_module_s_own(monkeypatch):
-    """An experts class with its own `_apply_gate` or a non-SiLU activation is not fused."""
+    """An experts class with its own `_apply_gate` or a non-SiLU activation has no fused gate (the
+    interpreter test runs such a module through the combine kernel)."""
     module = experts_modules(build_tiny_model("qwen3_5_moe"))[0]
     assert grouped_experts.silu_gate(module)
     monkeypatch.setattr(module, "act_fn", torch.nn.GELU())
     assert not grouped_experts.silu_gate(module)
-    assert grouped_experts.routed_activation(module, torch.zeros(1, 2)) == "torch"
-    assert "has another gate" in grouped_experts.describe_activation(module)
+    assert grouped_experts.routed_kernels(module, torch.zeros(1, 2)) == "torch"  # a CPU tensor
