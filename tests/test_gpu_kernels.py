@@ -1007,7 +1007,7 @@ def test_fused_lora_linear_at_the_27b_shapes(gpu_record):
     gpu_record({"test": "fused_lora_linear_27b_shapes", "rows": rows})
 
 
-def test_routed_row_kernels_at_the_35b_a3b_expert_shapes(gpu_record):
+def test_routed_swiglu_and_combine_at_the_35b_a3b_expert_shapes(gpu_record):
     """`ops/routed_swiglu.py` at the 35B-A3B's routed rows (8,192 tokens x top-8, moe_intermediate 512,
     bf16 `[gate | up]` and routing weights): the forward, d[gate | up] and dw against fp64 autograd of
     transformers' gate then the weight, `OP_TOL`, and no farther from it than the unfused bf16 ops the
