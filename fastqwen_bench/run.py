@@ -776,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         if limit is not None and limit < MIN_PATH_SECONDS:
             result["paths"].append(budget_skip(name, limit))
             log(f"\n===== {name}: skipped, {limit:.0f} s of --max-total-seconds left for it")
+            result["calibration"] = compare_calibration(result["paths"], setup.dtype)  # even with no path run yet
             write_outputs(result, args.out, final=False)
             continue
         record: dict = {}

@@ -359,6 +359,16 @@ def test_budget_shares_and_reference_ratios():
     assert reference_ratios([{"name": "fastqwen", "status": "ok", "tokens_per_s": 1.0}])["path"] is None
 
 
+def test_a_run_whose_setup_used_its_whole_budget_still_writes_its_outputs(tmp_path):
+    """Every path skipped for time (a cold GPU's set-up took the budget): bench.json / bench.md are
+    written with each path's reason, not a crash on the calibration no path produced (seen on an H100)."""
+    rc = bench_cli(["bench", *TINY, "--paths", "e,s", "--steps", "1", "--warmup", "0", "--max-total-seconds", "1",
+                    "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 0 and [r["status"] for r in result["paths"]] == ["skipped", "skipped"]
+    assert result["calibration"]["reference"] is None and "| fastqwen | " in (tmp_path / "bench.md").read_text()
+
+
 def test_checkpointing_auto_path_runs_and_records_why_it_recomputes_everything_on_cpu(tmp_path):
     """Path m is path e under fastqwen_checkpointing: auto. A CPU has no peak-memory counters, so
     the fitter recomputes every layer and says why; the losses are path e's (same weights, same rows)."""
