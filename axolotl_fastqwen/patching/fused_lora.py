@@ -5,8 +5,7 @@ peft runs the adapter as `result + lora_B(lora_A(x)) * scaling`: besides its two
 multiply and add in every forward (again in every recompute) and the multiply again in backward, each
 a pass over `[tokens, out]`. On the 35B-A3B profile with expert LoRA, bf16 adds and scalar multiplies
 were 119 ms of the 656 ms of GPU kernel time of a step (benchmarks/h200/2026-12-04d). Here the second
-GEMM is `torch.addmm` with the base output as its `self` (beta = 1): cuBLAS adds the product in its
-epilogue, and autograd's own backward of it (native, no Python) scales only `[tokens, rank]` and
+GEMM adds into the base's output (`addmm_`, beta = 1): cuBLAS adds the product in its epilogue, and autograd's own backward of it (native, no Python) scales only `[tokens, rank]` and
 `[rank, out]` tensors and passes the base output's gradient through untouched. The base layer and
 `lora_A` are called as modules, as peft calls them, so their hooks run and `fastqwen_fp8`'s FP8 base
 runs inside. The math is peft's; the adapter's product is rounded once, in the GEMM's accumulator.
@@ -83,12 +82,24 @@ class FusedLoraForward:
 
 
 def add_adapter(module: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
-    """`base(x) + s·B(A(x))` of a peft LoRA `Linear`, the adapter's product added by its GEMM."""
-    result = module.base_layer(x)
-    low = module.lora_A[adapter](module.lora_dropout[adapter](x))  # peft's order: the same dropout mask
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]),
-                      module.lora_B[adapter].weight.t(), alpha=module.scaling[adapter])
-    return out.view(result.shape)
+    """`base(x) + s·B(A(x))` of a peft LoRA `Linear`, the adapter's product added by its GEMM.
+
+    The layer runs on the rows as a matrix, so that the base's output is a `[tokens, out]` tensor of its
+    own: the GEMM then adds into it in place (`addmm_`). Out of place, `torch.addmm` first copies its
+    `self` into a new output, a full-size pass (5.2 ms of a 306 ms step on the 35B-A3B at 24 layers,
+    benchmarks/h100/2026-12-06h). Nothing holds the base's output for backward (a linear saves its
+    input), so autograd takes the in-place add. A base whose output is a view (an FP8 base's, cut from
+    its padded GEMM output) gets the out-of-place add. In place, autocast does not cast: the operands
+    are cast to the output's dtype, as autocast's `addmm` casts them."""
+    rows = x.reshape(-1, x.shape[-1])
+    result = module.base_layer(rows)
+    low = module.lora_A[adapter](module.lora_dropout[adapter](rows))  # peft's order: the same dropout mask
+    b, scaling = module.lora_B[adapter].weight, module.scaling[adapter]
+    if result._base is None:
+        out = result.addmm_(low.to(result.dtype), b.t().to(result.dtype), alpha=scaling)
+    else:
+        out = torch.addmm(result, low, b.t(), alpha=scaling)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class FusedLora:
