@@ -24,7 +24,7 @@ from axolotl_fastqwen.kernel_choice import experts_selfcheck as experts_check
 from axolotl_fastqwen.kernel_choice.selfcheck import TOLERANCE
 from axolotl_fastqwen.layers import grouped_experts
 from axolotl_fastqwen.layers.experts_implementation import experts_modules
-from axolotl_fastqwen.ops.routed_combine import routed_combine_reference
+from axolotl_fastqwen.ops.routed_combine import routed_combine_torch
 from axolotl_fastqwen.ops.routed_swiglu import routed_swiglu_reference
 from tiny_assets import build_tiny_model
 
@@ -191,8 +191,8 @@ def _triton_unless_pinned(module, rows):
 def _broken(kind):
     """One kernel 5% off (the other right): the reference stands in for the kernels on this CPU."""
     swiglu = (lambda gu, w: routed_swiglu_reference(gu, w) * 1.05) if kind == "swiglu" else routed_swiglu_reference
-    combine = ((lambda src, unsort, k, extra=None: routed_combine_reference(src, unsort, k, extra) * 1.05)
-               if kind == "combine" else routed_combine_reference)
+    combine = ((lambda src, unsort, k, extra=None: routed_combine_torch(src, unsort, k, extra) * 1.05)
+               if kind == "combine" else routed_combine_torch)
     return swiglu, combine
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..ops import availability
 from ..ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm
-from ..ops.routed_combine import routed_combine_triton
+from ..ops.routed_combine import routed_combine_torch, routed_combine_triton
 from ..ops.routed_swiglu import routed_swiglu_triton
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
@@ -91,7 +91,6 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
 
 
 ROUTED_KERNELS_ATTR = "_fastqwen_routed_kernels"  # "torch" where the experts self-check pinned the module's rows off Triton
-ROUTED_KERNELS = ("triton", "torch")  # ops/routed_swiglu.py + ops/routed_combine.py; or PyTorch's ops
 
 
 def silu_gate(module: nn.Module) -> bool:
@@ -105,7 +104,7 @@ def silu_gate(module: nn.Module) -> bool:
 
 
 def routed_kernels(module: nn.Module, rows: torch.Tensor) -> str:
-    """Which of `ROUTED_KERNELS` runs the module's row work on `rows` (the gate with its routing weight,
+    """Who runs the module's row work on `rows`, "triton" or "torch" (the gate with its routing weight,
     where `silu_gate`, and the sums of each token's k rows, forward and in the input's gradient): the
     Triton kernels on a GPU, unless the experts self-check pinned "torch" (`kernel_choice/experts_selfcheck.py`);
     PyTorch's ops elsewhere and under torch.compile (which fuses them itself)."""
@@ -117,11 +116,13 @@ def routed_kernels(module: nn.Module, rows: torch.Tensor) -> str:
 
 def describe_routed_kernels(module: nn.Module) -> str:
     """The report's line on who runs `fastqwen_grouped`'s row work (gate, routing weight, combine), and why."""
+    ops = "PyTorch's ops: the module's own _apply_gate, a multiply, a gather and a sum"
     if module.__dict__.get(ROUTED_KERNELS_ATTR) == "torch":
-        return ("PyTorch's ops: the module's own _apply_gate, a multiply, a gather and a sum (pinned: the experts "
-                "self-check pins them where the Triton kernels fail it; its line says whether they did)")
-    if module.gate_up_proj.device.type != "cuda":
-        return f"PyTorch's ops: the module's own _apply_gate, a multiply, a gather and a sum (on {module.gate_up_proj.device.type})"
+        return (f"{ops} (pinned: the experts self-check pins them where the Triton kernels fail it; its line says "
+                "whether they did)")
+    if routed_kernels(module, module.gate_up_proj) == "torch":
+        device = module.gate_up_proj.device.type
+        return f"{ops} ({f'on {device}' if device != 'cuda' else 'Triton does not import'})"
     gate = ("silu(gate)·up·w in one kernel each way (ops/routed_swiglu.py)" if silu_gate(module) else
             f"the module's own _apply_gate and a multiply ({type(module).__qualname__} has another gate)")
     return f"triton: {gate}; each token's k rows summed in one kernel (ops/routed_combine.py)"
@@ -225,11 +226,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
 def _sum_per_token(rows: torch.Tensor, unsort: torch.Tensor, k: int, triton: bool,
                    extra: torch.Tensor | None = None) -> torch.Tensor:
     """(T·k, H) expert-ordered rows (+ `extra`'s) -> (T, H): each token's k rows summed, accumulated in fp32."""
-    if triton:
-        return routed_combine_triton(rows, unsort, k, extra)
-    if extra is not None:
-        rows = rows + extra
-    return rows[unsort].view(-1, k, rows.shape[-1]).sum(dim=1)
+    return (routed_combine_triton if triton else routed_combine_torch)(rows, unsort, k, extra)
 
 
 class _RoutedRows(torch.autograd.Function):

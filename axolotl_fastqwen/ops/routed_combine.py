@@ -19,11 +19,13 @@ import torch
 BLOCK_H = 512  # columns a program takes
 
 
-def routed_combine_reference(src: torch.Tensor, unsort: torch.Tensor, k: int,
-                             extra: torch.Tensor | None = None) -> torch.Tensor:
-    """(T·k, H) rows in expert order -> (T, H): each token's k rows summed in fp32, rounded once."""
-    rows = src[unsort].float() if extra is None else src[unsort].float() + extra[unsort].float()
-    return rows.view(-1, k, src.shape[-1]).sum(dim=1).to(src.dtype)
+def routed_combine_torch(src: torch.Tensor, unsort: torch.Tensor, k: int,
+                         extra: torch.Tensor | None = None) -> torch.Tensor:
+    """(T·k, H) rows in expert order -> (T, H), each token's k rows summed, in PyTorch's ops (a CPU, or
+    where the kernel is not used): `extra`'s rows added first, a gather, then a sum (fp32 inside, one
+    rounding)."""
+    rows = src if extra is None else src + extra
+    return rows[unsort].view(-1, k, src.shape[-1]).sum(dim=1)
 
 
 @functools.cache
