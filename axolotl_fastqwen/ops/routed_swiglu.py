@@ -25,7 +25,8 @@ BLOCK_N = 256  # columns a program takes (forward) or steps through (backward)
 
 def routed_swiglu_reference(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(rows, 2·I) `[gate | up]`, (rows,) routing weights -> (rows, I) `silu(gate) · up · w`, in fp32
-    and rounded once to `gate_up`'s dtype: the kernels' oracle and their CPU path."""
+    and rounded once to `gate_up`'s dtype: the kernels' oracle (the CPU path is the module's own gate,
+    `layers/grouped_experts.py`)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up * weight.float().unsqueeze(-1)).to(gate_up.dtype)
 
