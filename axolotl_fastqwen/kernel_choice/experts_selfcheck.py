@@ -154,8 +154,8 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
             proxy.requires_grad_(False)
             # own copies per run: where `.to` is a no-op (fp32 on the factors' device) both runs would share
             # the leaves, and compare one gradient sum with itself
-            leaves = {name: (a.to(device, cast).clone().requires_grad_(True), b.to(device, cast).clone().requires_grad_(True))
-                      for name, (a, b) in factors.items()}
+            leaves = {name: tuple(t.to(device, cast, copy=True).requires_grad_(True) for t in pair)
+                      for name, pair in factors.items()}
             if candidate:
                 lora = {name: ExpertLora(a, b, LORA_SCALING) for name, (a, b) in leaves.items()}
                 out = grouped_experts_forward(proxy, x, index, w, lora=lora)

@@ -90,7 +90,8 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
     return fp8.dtype if fp8 is not None else module.gate_up_proj.dtype
 
 
-ROUTED_KERNELS_ATTR = "_fastqwen_routed_kernels"  # "torch" where the experts self-check pinned the module's rows off Triton
+# "torch" where the experts self-check pinned a module's routed rows off the Triton kernels
+ROUTED_KERNELS_ATTR = "_fastqwen_routed_kernels"
 
 
 def silu_gate(module: nn.Module) -> bool:

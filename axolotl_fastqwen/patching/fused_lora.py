@@ -5,8 +5,9 @@ peft runs the adapter as `result + lora_B(lora_A(x)) * scaling`: besides its two
 multiply and add in every forward (again in every recompute) and the multiply again in backward, each
 a pass over `[tokens, out]`. On the 35B-A3B profile with expert LoRA, bf16 adds and scalar multiplies
 were 119 ms of the 656 ms of GPU kernel time of a step (benchmarks/h200/2026-12-04d). Here the second
-GEMM adds into the base's output (`addmm_`, beta = 1): cuBLAS adds the product in its epilogue, and autograd's own backward of it (native, no Python) scales only `[tokens, rank]` and
-`[rank, out]` tensors and passes the base output's gradient through untouched. The base layer and
+GEMM adds into the base's output (`addmm_`, beta = 1): cuBLAS adds the product in its epilogue, and
+autograd's own backward of it (native, no Python) scales only `[tokens, rank]` and `[rank, out]`
+tensors and passes the base output's gradient through untouched. The base layer and
 `lora_A` are called as modules, as peft calls them, so their hooks run and `fastqwen_fp8`'s FP8 base
 runs inside. The math is peft's; the adapter's product is rounded once, in the GEMM's accumulator.
 (An autograd function that also accumulates the two input gradients in one GEMM saved 6-11% more GPU
