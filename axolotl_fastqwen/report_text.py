@@ -33,6 +33,8 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
                          + ("; not: " + "; ".join(rejected) if rejected else ""))
         if experts.get("routed_rows"):
             lines.append(f"  {'':<22} {'':<16} routed rows: {experts['routed_rows']}")
+        if experts.get("shared_expert"):
+            lines.append(f"  {'':<22} {'':<16} shared expert: {experts['shared_expert']}")
         for kind in experts.get("by_module_kind", [])[1:]:
             lines.append(f"  {'':<22} {str(kind['implementation']):<16} {kind['modules']} x {kind['class']}, run by "
                          f"{kind['runner']}")

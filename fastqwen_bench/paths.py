@@ -25,6 +25,7 @@ from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.families.base import unwrap
 from axolotl_fastqwen.layers.experts_implementation import experts_modules
 from axolotl_fastqwen.layers.grouped_experts import ROUTED_KERNELS_ATTR
+from axolotl_fastqwen.layers.moe_block import OWN_FORWARD_ATTR
 from axolotl_fastqwen import registry
 from axolotl_fastqwen.transformers_functions import resolved_kernel, stock_torch_kernels
 from fastqwen_bench import cpu_fla
@@ -130,8 +131,9 @@ PATHS: dict[str, PathSpec] = {
         PathSpec(
             "fastqwen+ckpt-auto+lean+torch-rows", "packed",
             "MoE only: fastqwen+ckpt-auto+lean with the routed experts' row work on PyTorch's ops (the module's own "
-            "_apply_gate, a multiply, a gather and a sum, as before ops/routed_swiglu.py and ops/routed_combine.py): "
-            "what the Triton row kernels change",
+            "_apply_gate, a multiply, a gather and a sum, as before ops/routed_swiglu.py and ops/routed_combine.py) "
+            "and the sparse block's shared expert added by transformers' own forward (not in the routed sum, "
+            "layers/moe_block.py): what the Triton row kernels change",
         ),
         PathSpec(
             "fastqwen+ckpt-auto+lean+fp8", "packed",
@@ -435,6 +437,9 @@ def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | No
     experts = experts_modules(unwrap(model)) if torch_rows else []
     for module in experts:  # pinned as the experts self-check pins it when the kernels fail
         module.__dict__[ROUTED_KERNELS_ATTR] = "torch"
+    blocks = [m for m in unwrap(model).modules() if torch_rows and hasattr(m, "shared_expert_gate")]
+    for block in blocks:  # and the shared expert's term outside the sum, as transformers' block adds it
+        block.__dict__[OWN_FORWARD_ATTR] = True
     try:
         if device.type == "cuda":
             _selfcheck_now(report, model)
@@ -448,6 +453,8 @@ def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | No
     finally:
         info["patch_report"] = report.to_dict()  # after the first forward: includes the self-check
         unpatch_model(model)  # takes the pin off too
+        for block in blocks:
+            block.__dict__.pop(OWN_FORWARD_ATTR, None)
 
 
 def _attach_axolotl_lora_kernels(model, device: torch.device, undo: Undo) -> str:

@@ -690,3 +690,21 @@ def test_axolotls_fp8_conversion_is_undone_with_the_same_parameters():
         assert all(p is params[name] for name, p in model.named_parameters())
     assert {name: m for name, m in model.named_modules()} == before
     assert all(p is params[name] for name, p in model.named_parameters())
+
+
+def test_path_c_runs_the_routed_rows_and_the_shared_expert_as_before_the_kernels():
+    """Path C pins every experts module's row work to PyTorch's ops and every sparse block to
+    transformers' forward while it runs (what `s` changes over it), and takes both off after."""
+    from axolotl_fastqwen.layers.experts_implementation import experts_modules
+    from axolotl_fastqwen.layers.grouped_experts import ROUTED_KERNELS_ATTR
+    from axolotl_fastqwen.layers.moe_block import OWN_FORWARD_ATTR
+    from fastqwen_bench.paths import installed
+    from tiny_assets import build_tiny_model
+
+    model = build_tiny_model("qwen3_5_moe")
+    blocks = [m for m in model.modules() if hasattr(m, "shared_expert_gate")]
+    with installed("fastqwen+ckpt-auto+lean+torch-rows", model, "qwen3_5_moe", torch.device("cpu"), gc=True):
+        assert {m.__dict__.get(ROUTED_KERNELS_ATTR) for m in experts_modules(model)} == {"torch"}
+        assert blocks and all(b.__dict__.get(OWN_FORWARD_ATTR) for b in blocks)
+    assert all(OWN_FORWARD_ATTR not in b.__dict__ and "_fastqwen" not in b.__dict__ for b in blocks)
+    assert all(ROUTED_KERNELS_ATTR not in m.__dict__ for m in experts_modules(model))

@@ -156,13 +156,36 @@ def test_fastqwen_grouped_is_checked_with_its_factored_lora_too(model, monkeypat
     assert compare(module, GROUPED, top_k, torch.float32, lora_rank=16) <= TOLERANCE[torch.float32]
     model.set_experts_implementation(GROUPED)
     check = selfcheck_experts(model, torch.float32, devices=("cpu",))
-    assert check.implementation == GROUPED and "factored LoRA r=16" in check.selfcheck
+    assert check.implementation == GROUPED and "shared expert, factored LoRA r=16" in check.selfcheck
 
     real = experts_check.grouped_experts_forward
-    monkeypatch.setattr(experts_check, "grouped_experts_forward",
-                        lambda m, x, i, w, lora=None: real(m, x, i, w))  # drops the adapter
+    monkeypatch.setattr(experts_check, "grouped_experts_forward",  # drops the adapter
+                        lambda m, x, i, w, lora=None, shared_expert=None: real(m, x, i, w, shared_expert=shared_expert))
     check = selfcheck_experts(model, torch.float32, devices=("cpu",))
     assert check.implementation == "grouped_mm" and implementations(model) == {"grouped_mm"}
     # on a CPU its routed rows run on PyTorch's ops (the Triton kernels are for GPUs): one try
     assert [name for name, _ in check.rejected] == [f"{GROUPED} (routed rows: torch)"]
+    assert "rel. error" in check.rejected[0][1]
+
+
+def test_fastqwen_grouped_is_checked_with_a_sparse_block_s_shared_expert(model, monkeypatch):
+    """The shared expert's gated output its sparse blocks hand it is part of the check: a sum that
+    leaves the gate out (right without the term, wrong with it) is rejected."""
+    from axolotl_fastqwen.kernel_choice import experts_selfcheck as experts_check
+    from axolotl_fastqwen.layers.grouped_experts import SharedExpert, register
+
+    register()
+    module = experts_modules(model)[0]
+    top_k = module.config.num_experts_per_tok
+    assert compare(module, GROUPED, top_k, torch.float32, shared=True) <= TOLERANCE[torch.float32]
+    real = experts_check.grouped_experts_forward
+
+    def ungated(m, x, i, w, lora=None, shared_expert=None):
+        term = None if shared_expert is None else SharedExpert(shared_expert.output, torch.full_like(shared_expert.gate, 30.0))
+        return real(m, x, i, w, lora=lora, shared_expert=term)  # sigmoid(30) = 1: the gate left out
+
+    monkeypatch.setattr(experts_check, "grouped_experts_forward", ungated)
+    model.set_experts_implementation(GROUPED)
+    check = selfcheck_experts(model, torch.float32, devices=("cpu",))
+    assert check.implementation == "grouped_mm", check
     assert "rel. error" in check.rejected[0][1]

@@ -1007,6 +1007,46 @@ def test_fused_lora_linear_at_the_27b_shapes(gpu_record):
     gpu_record({"test": "fused_lora_linear_27b_shapes", "rows": rows})
 
 
+def test_shared_expert_term_in_the_routed_sum_at_the_35b_a3b_shapes(gpu_record):
+    """`ops/routed_combine.py` with a sparse block's shared expert (8,192 tokens, hidden 2048, top-8, bf16):
+    the routed sum plus `sigmoid(gate)·shared`, and the shared term's gradients (d shared, d gate), against
+    fp64 autograd, `OP_TOL`, and no farther from it than transformers' bf16 ops (x1.05, + 1e-6); forward +
+    backward timed against those ops (a gather-and-sum, then the block's multiply and add, autograd's
+    backward of them)."""
+    from axolotl_fastqwen.kernel_choice import fp8_decision
+    from axolotl_fastqwen.ops.routed_combine import routed_combine_triton, shared_term_backward_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    tokens, k, hidden = 8192, 8, 2048
+    src = torch.randn(tokens * k, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    unsort = torch.randperm(tokens * k, generator=gen, device="cuda")
+    shared = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    gate = (2 * torch.randn(tokens, 1, generator=gen, device="cuda")).to(torch.bfloat16)
+    dy = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    sh64, g64 = shared.double().requires_grad_(True), gate.double().requires_grad_(True)
+    truth = src.double()[unsort].view(tokens, k, hidden).sum(dim=1) + torch.sigmoid(g64) * sh64
+    truth.backward(dy.double())
+
+    def stock():  # transformers' block on the routed sum: bf16 sigmoid, multiply, add, autograd's backward
+        sh, g = shared.clone().requires_grad_(True), gate.clone().requires_grad_(True)
+        out = src[unsort].view(tokens, k, hidden).sum(dim=1) + torch.sigmoid(g) * sh
+        out.backward(dy)
+        return out, sh.grad, g.grad
+
+    def fused():
+        out = routed_combine_triton(src, unsort, k, None, shared, gate)
+        return (out, *shared_term_backward_triton(dy, shared, gate))
+
+    row = {"tokens": tokens, "hidden": hidden, "k": k}
+    for name, fn in (("fused", fused), ("stock", stock)):
+        out, d_shared, d_gate = fn()
+        row[name] = max(_rel(out, truth), _rel(d_shared, sh64.grad), _rel(d_gate, g64.grad))
+        row[f"{name}_ms"] = fp8_decision.median_ms(fn, iters=10, warmup=3)
+    row["speedup"] = row["stock_ms"] / row["fused_ms"]
+    gpu_record({"test": "shared_expert_term_35b_a3b_shapes", **row})
+    assert row["fused"] <= OP_TOL and row["fused"] <= 1.05 * row["stock"] + 1e-6, row
+
+
 def test_routed_swiglu_and_combine_at_the_35b_a3b_expert_shapes(gpu_record):
     """`ops/routed_swiglu.py` at the 35B-A3B's routed rows (8,192 tokens x top-8, moe_intermediate 512,
     bf16 `[gate | up]` and routing weights): the forward, d[gate | up] and dw against fp64 autograd of

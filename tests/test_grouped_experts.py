@@ -243,7 +243,7 @@ def test_modules_the_computation_does_not_cover_run_transformers_grouped_mm():
     x = torch.randn(8, module.gate_up_proj.shape[-1])
     # transformers' grouped_mm runs it (no sentinel ids here: the same values)
     assert rel(grouped_experts_forward(m, x, index, weights), grouped_experts_forward(module, x, index, weights)) <= TOL
-    with pytest.raises(ValueError, match="factored expert LoRA needs"):
+    with pytest.raises(ValueError, match="factored expert LoRA and the shared expert.s term need"):
         grouped_experts_forward(m, x, index, weights, lora={"gate_up_proj": None})
 
 

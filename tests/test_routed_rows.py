@@ -24,7 +24,7 @@ from axolotl_fastqwen.kernel_choice import experts_selfcheck as experts_check
 from axolotl_fastqwen.kernel_choice.selfcheck import TOLERANCE
 from axolotl_fastqwen.layers import grouped_experts
 from axolotl_fastqwen.layers.experts_implementation import experts_modules
-from axolotl_fastqwen.ops.routed_combine import routed_combine_torch
+from axolotl_fastqwen.ops.routed_combine import routed_combine_torch, shared_term_backward_torch
 from axolotl_fastqwen.ops.routed_swiglu import routed_swiglu_reference
 from tiny_assets import build_tiny_model
 
@@ -77,25 +77,42 @@ print("ok")
 
 COMBINE_INTERPRETED = r"""
 import torch
-from axolotl_fastqwen.ops.routed_combine import routed_combine_triton
+from axolotl_fastqwen.ops.routed_combine import routed_combine_triton, shared_term_backward_triton
 
 def rel(a, b):
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
 
 torch.manual_seed(0)
 worst = {}
-# H past one 512-column block (masks), k = 3 and 8, with and without the second source, no tokens, bf16
-for tokens, k, cols, dtype, extra in [(13, 3, 700, torch.float32, False), (5, 8, 64, torch.float32, True),
-                                      (0, 3, 64, torch.float32, False), (11, 3, 700, torch.bfloat16, True)]:
+# H past one 512-column block (masks; the shared term's backward loops over them), k = 3 and 8, with and
+# without the second source and the shared expert's term, no tokens, bf16
+for tokens, k, cols, dtype, extra, shared in [
+        (13, 3, 700, torch.float32, False, False), (5, 8, 64, torch.float32, True, True),
+        (0, 3, 64, torch.float32, False, True), (11, 3, 700, torch.bfloat16, True, False),
+        (9, 3, 1100, torch.float32, False, True), (11, 3, 700, torch.bfloat16, True, True)]:
     src = torch.randn(tokens * k, cols).to(dtype)
     more = torch.randn(tokens * k, cols).to(dtype) if extra else None
     unsort = torch.randperm(tokens * k)
     rows = src.double()[unsort] + (more.double()[unsort] if extra else 0)
     truth = rows.view(tokens, k, cols).sum(dim=1)
-    out = routed_combine_triton(src, unsort, k, more)
+    term = ()
+    if shared:  # the sparse block's `sigmoid(gate)·shared` and its gradients, by fp64 autograd
+        sh, gate = torch.randn(tokens, cols).to(dtype), (2 * torch.randn(tokens, 1)).to(dtype)
+        sh64, gate64 = sh.double().requires_grad_(True), gate.double().requires_grad_(True)
+        added = torch.sigmoid(gate64) * sh64
+        dy = torch.randn(tokens, cols).to(dtype)
+        added.backward(dy.double())
+        truth = truth + added.detach()
+        term = (sh, gate)
+    out = routed_combine_triton(src, unsort, k, more, *term)
     assert out.dtype == dtype and out.shape == (tokens, cols)
-    if tokens:
-        worst[str(dtype)] = max(worst.get(str(dtype), 0.0), rel(out, truth))
+    errs = [rel(out, truth)] if tokens else []
+    if shared:
+        d_sh, d_gate = shared_term_backward_triton(dy, sh, gate)
+        assert d_sh.dtype == dtype and d_sh.shape == sh.shape and d_gate.dtype == dtype and d_gate.shape == gate.shape
+        errs += [rel(d_sh, sh64.grad), rel(d_gate, gate64.grad)] if tokens else []
+    if errs:
+        worst[str(dtype)] = max(worst.get(str(dtype), 0.0), *errs)
 print(worst)
 print("ok")
 """
@@ -108,8 +125,9 @@ from axolotl_fastqwen.layers.experts_implementation import experts_modules
 from axolotl_fastqwen.layers.grouped_experts import GROUPED, register
 from tiny_assets import build_tiny_model
 
-calls = {"swiglu": 0, "combine": 0}
+calls = {"swiglu": 0, "combine": 0, "shared": 0}
 swiglu, combine = grouped_experts.routed_swiglu_triton, grouped_experts.routed_combine_triton
+shared_backward = grouped_experts.shared_term_backward_triton
 
 def counted_swiglu(*args):
     calls["swiglu"] += 1
@@ -119,7 +137,12 @@ def counted_combine(*args):
     calls["combine"] += 1
     return combine(*args)
 
+def counted_shared(*args):
+    calls["shared"] += 1
+    return shared_backward(*args)
+
 grouped_experts.routed_swiglu_triton, grouped_experts.routed_combine_triton = counted_swiglu, counted_combine
+grouped_experts.shared_term_backward_triton = counted_shared
 grouped_experts.routed_kernels = lambda module, rows: "triton"  # the GPU's choice, on this CPU
 register()
 for family in ("qwen3_5_moe", "qwen3_next", "gelu"):
@@ -130,12 +153,15 @@ for family in ("qwen3_5_moe", "qwen3_next", "gelu"):
         assert not grouped_experts.silu_gate(module)
     before = dict(calls)
     top_k = module.config.num_experts_per_tok
-    errs = [compare(module, GROUPED, top_k, torch.float32), compare(module, GROUPED, top_k, torch.float32, lora_rank=16)]
+    errs = [compare(module, GROUPED, top_k, torch.float32), compare(module, GROUPED, top_k, torch.float32, lora_rank=16),
+            compare(module, GROUPED, top_k, torch.float32, shared=True)]
     print(family, errs, calls)
     assert max(errs) <= 1e-5, (family, errs)
-    # per compare: the routed rows' sum forward and in backward; the gate (SiLU only) once
-    assert calls["combine"] - before["combine"] == 4, calls
-    assert calls["swiglu"] - before["swiglu"] == (0 if family == "gelu" else 2), calls
+    # per compare: the routed rows' sum forward and in backward; the gate (SiLU only) once; the shared
+    # expert's term's gradients once, where it is passed
+    assert calls["combine"] - before["combine"] == 6, calls
+    assert calls["swiglu"] - before["swiglu"] == (0 if family == "gelu" else 3), calls
+    assert calls["shared"] - before["shared"] == 1, calls
 print("ok")
 """
 
@@ -158,7 +184,8 @@ def test_the_kernels_give_transformers_gate_times_the_weight_and_its_gradients_i
 
 
 def test_the_combine_kernel_sums_each_token_s_rows_like_a_gather_and_sum_in_the_interpreter():
-    """Against the fp64 gather-and-sum; two column blocks, k = 3 and 8, the second source, no tokens, bf16."""
+    """Against the fp64 gather-and-sum; two column blocks, k = 3 and 8, the second source, no tokens, bf16;
+    with the shared expert's gated term, and its backward kernel against fp64 autograd (three column blocks)."""
     out = _interpreted(COMBINE_INTERPRETED)
     worst = eval(out.strip().splitlines()[-2])  # noqa: S307 - our own subprocess's dict of floats
     assert worst["torch.float32"] <= FP32_TOL and worst["torch.bfloat16"] <= BF16_TOL, worst
@@ -166,8 +193,9 @@ def test_the_combine_kernel_sums_each_token_s_rows_like_a_gather_and_sum_in_the_
 
 def test_fastqwen_grouped_with_the_kernels_matches_transformers_eager_experts_in_the_interpreter():
     """The whole experts module, forward and backward (hidden, routing weights, expert weights; and the
-    factored LoRA's factors, the down projection's through the combine's second source), with both Triton
-    kernels against transformers' eager loop in fp32; and with another gate, the combine kernel alone."""
+    factored LoRA's factors, the down projection's through the combine's second source; and with a sparse
+    block's shared expert in the sum, against the block's own term), with the Triton kernels against
+    transformers' eager loop in fp32; and with another gate, the combine kernels alone."""
     _interpreted(WHOLE_EXPERTS)
 
 
@@ -188,26 +216,28 @@ def _triton_unless_pinned(module, rows):
     return "torch" if module.__dict__.get(grouped_experts.ROUTED_KERNELS_ATTR) == "torch" else "triton"
 
 
-def _broken(kind):
-    """One kernel 5% off (the other right): the reference stands in for the kernels on this CPU."""
+def _broken(monkeypatch, kind):
+    """One kernel 5% off (the others right): PyTorch's ops stand in for the kernels on this CPU."""
     swiglu = (lambda gu, w: routed_swiglu_reference(gu, w) * 1.05) if kind == "swiglu" else routed_swiglu_reference
-    combine = ((lambda src, unsort, k, extra=None: routed_combine_torch(src, unsort, k, extra) * 1.05)
+    combine = ((lambda src, unsort, k, *more: routed_combine_torch(src, unsort, k, *more) * 1.05)
                if kind == "combine" else routed_combine_torch)
-    return swiglu, combine
-
-
-@pytest.mark.parametrize("kind", ["swiglu", "combine"])
-def test_a_failing_kernel_leaves_fastqwen_grouped_on_pytorch_s_ops_and_unpatch_clears_it(monkeypatch, kind):
-    """Either kernel 5% off: the self-check rejects fastqwen_grouped with the Triton rows, passes it on
-    PyTorch's ops, pins that on every experts module (the model keeps fastqwen_grouped, not
-    transformers' grouped_mm), and the report says so; `unpatch_model` takes the pin off."""
-    model = build_tiny_model("qwen3_5_moe")
-    patch_model(model, fused_cross_entropy=False, log=False)
-    swiglu, combine = _broken(kind)
+    shared = ((lambda *args: tuple(t * 1.05 for t in shared_term_backward_torch(*args)))
+              if kind == "shared" else shared_term_backward_torch)
     monkeypatch.setattr(grouped_experts, "routed_kernels", _triton_unless_pinned)
     monkeypatch.setattr(experts_check, "routed_kernels", _triton_unless_pinned)
     monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", swiglu)
     monkeypatch.setattr(grouped_experts, "routed_combine_triton", combine)
+    monkeypatch.setattr(grouped_experts, "shared_term_backward_triton", shared)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "combine", "shared"])
+def test_a_failing_kernel_leaves_fastqwen_grouped_on_pytorch_s_ops_and_unpatch_clears_it(monkeypatch, kind):
+    """Any kernel 5% off (the shared expert's backward included): the self-check rejects fastqwen_grouped with the Triton rows, passes it on
+    PyTorch's ops, pins that on every experts module (the model keeps fastqwen_grouped, not
+    transformers' grouped_mm), and the report says so; `unpatch_model` takes the pin off."""
+    model = build_tiny_model("qwen3_5_moe")
+    patch_model(model, fused_cross_entropy=False, log=False)
+    _broken(monkeypatch, kind)
     check = experts_check.selfcheck_experts(model, torch.float32, devices=("cpu",))
     assert check.implementation == grouped_experts.GROUPED, check
     assert [name for name, _ in check.rejected] == [f"{grouped_experts.GROUPED} (routed rows: triton)"], check
@@ -227,11 +257,7 @@ def test_working_kernels_pass_the_experts_self_check_and_are_reported(monkeypatc
     line = report.to_dict()["experts"]["routed_rows"]
     assert line.startswith("PyTorch's ops") and "(on cpu)" in line
     assert "routed rows: PyTorch's ops" in report.format()
-    monkeypatch.setattr(grouped_experts, "routed_kernels", _triton_unless_pinned)
-    monkeypatch.setattr(experts_check, "routed_kernels", _triton_unless_pinned)
-    swiglu, combine = _broken(None)  # both right
-    monkeypatch.setattr(grouped_experts, "routed_swiglu_triton", swiglu)
-    monkeypatch.setattr(grouped_experts, "routed_combine_triton", combine)
+    _broken(monkeypatch, None)  # all right
     check = experts_check.selfcheck_experts(model, torch.float32, devices=("cpu",))
     assert check.implementation == grouped_experts.GROUPED and not check.rejected, check
     assert "routed rows: triton" in check.selfcheck

@@ -64,6 +64,7 @@ class Family:
     conditional_generation: str | None = None  # its *ForConditionalGeneration
     moe: bool = False  # routes tokens to experts (an auxiliary load-balancing loss)
     aux_loss: str | None = None  # the modeling module's load-balancing function
+    moe_block: str | None = None  # the sparse block (router, routed experts, gated shared expert)
     expert_parameters: tuple[str, ...] = ()  # peft target_parameters for LoRA on the routed experts
     mrope: bool = True  # interleaved multimodal RoPE sections in the text rotary (Qwen3.5)
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # each decoder layer's RMSNorms
@@ -96,6 +97,7 @@ class Family:
         return FamilyPlan(
             family=self, module=module, gated_deltanet=classes(self.gated_deltanet), attention=classes(self.attention),
             decoder=classes(self.decoder), causal_lm=classes(*self.causal_lms), rms_norm=norms,
+            moe_block=classes(self.moe_block),
         )
 
 
@@ -110,6 +112,7 @@ class FamilyPlan:
     decoder: tuple[type, ...]
     causal_lm: tuple[type, ...]
     rms_norm: tuple[type, ...] = ()
+    moe_block: tuple[type, ...] = ()
 
     @property
     def name(self) -> str:

@@ -23,6 +23,7 @@ FAMILY = Family(
     conditional_generation="Qwen3_5MoeForConditionalGeneration",
     moe=True,
     aux_loss="load_balancing_loss_func",
+    moe_block="Qwen3_5MoeSparseMoeBlock",
     expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     shapes=(PublishedShape(
         "qwen3.5-35b-a3b", 40,

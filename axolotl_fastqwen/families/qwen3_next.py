@@ -33,6 +33,7 @@ FAMILY = Family(
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj_qkvz"),
     moe=True,
     aux_loss="load_balancing_loss_func",
+    moe_block="Qwen3NextSparseMoeBlock",
     expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     mrope=False,  # plain (1-D) partial RoPE
     shapes=(PublishedShape(

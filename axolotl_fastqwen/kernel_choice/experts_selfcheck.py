@@ -6,7 +6,8 @@ kernels plugin registers `scattermoe`; `experts_implementation.py` says who runs
 the implementation that will train is run once before the first step, forward and backward, on the
 first `CHECK_EXPERTS` experts of the model's first experts module (its own weights, its hidden and
 intermediate sizes, its top-k) and compared with transformers' eager loop in fp32 (for
-`fastqwen_grouped` with its factored LoRA as well, against the merged weights). One that raises
+`fastqwen_grouped` with its factored LoRA as well, against the merged weights, and with a sparse
+block's shared expert added in its sum). One that raises
 or disagrees is replaced, through transformers' `set_experts_implementation`, by the next of
 `FALLBACK_ORDER` that passes, and the report says why; the eager loop is the last resort. Where
 `fastqwen_grouped` runs its routed rows in Triton kernels (`ops/routed_swiglu.py`, `ops/routed_combine.py`) and
@@ -25,8 +26,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..layers.experts_implementation import experts_implementation, experts_modules, set_experts_implementation
-from ..layers.grouped_experts import (ROUTED_KERNELS_ATTR, GROUPED, ExpertLora, fp8_experts, grouped_experts_forward,
-                                      register, routed_kernels)
+from ..layers.grouped_experts import (ROUTED_KERNELS_ATTR, GROUPED, ExpertLora, SharedExpert, fp8_experts,
+                                      grouped_experts_forward, register, routed_kernels)
 from .selfcheck import TOLERANCE, rel_err
 
 LOG = logging.getLogger("axolotl_fastqwen")
@@ -128,15 +129,21 @@ def _lora_factors(module: nn.Module, experts: int, rank: int) -> dict[str, tuple
 
 
 def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dtype, lora_rank: int = 0,
-            kernels: str | None = None) -> float:
+            kernels: str | None = None, shared: bool = False) -> float:
     """Max relative error of the output and of the gradients (hidden states, routing weights and
     expert weights) of `implementation` at `dtype` against the eager loop in fp32. With
     `lora_rank` (`fastqwen_grouped` only): both stacked weights frozen and adapted by random
     factors of that rank, run factored against the eager loop on the merged weights; the
-    gradients compared are then the factors' instead of the weights'."""
+    gradients compared are then the factors' instead of the weights'. With `shared`
+    (`fastqwen_grouped` only): a random shared expert's output and gate logits are added in its sum,
+    as a sparse block passes them (`layers/moe_block.py`), against the block's own
+    `eager + sigmoid(gate)·shared` in fp32, their gradients compared too."""
     device = next(module.parameters()).device
     experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
     hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
+    gen = torch.Generator(device="cpu").manual_seed(17)
+    shared_term = (torch.randn(hidden.shape, generator=gen).to(device),
+                   (2 * torch.randn(hidden.shape[0], 1, generator=gen)).to(device)) if shared else None
     try:
         proxies = [(check_module(module, impl, cast, device, experts=experts, kernels=rows), cast)
                    for impl, cast, rows in ((implementation, dtype, kernels), ("eager", torch.float32, None))]
@@ -148,6 +155,15 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
         for candidate, (proxy, cast) in zip((True, False), proxies):
             x = hidden.to(cast).requires_grad_(True)
             w = weights.to(cast).requires_grad_(True)
+            term = [t.to(cast, copy=True).requires_grad_(True) for t in shared_term] if shared else []
+            if shared and candidate:
+                out = grouped_experts_forward(proxy, x, index, w, shared_expert=SharedExpert(*term))
+                runs.append((out, [x, w, *term, *proxy.parameters()]))
+                continue
+            if shared:  # transformers' sparse block: the experts, then `+ sigmoid(gate)·shared`
+                out = proxy(x, index, w) + torch.sigmoid(term[1]) * term[0]
+                runs.append((out, [x, w, *term, *proxy.parameters()]))
+                continue
             if not factors:
                 runs.append((proxy(x, index, w), [x, w, *proxy.parameters()]))
                 continue
@@ -223,8 +239,10 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
             kernels = kernels or current
         label = f"{name} (routed rows: {kernels})" if name == GROUPED else name
         try:
-            err = compare(module, name, top_k, dtype, kernels=kernels)
-            if name == GROUPED:  # its factored LoRA path too (it runs whenever peft adapts the experts)
+            # fastqwen_grouped with the shared expert's term its sparse blocks pass, and its factored LoRA
+            # path too (it runs whenever peft adapts the experts)
+            err = compare(module, name, top_k, dtype, kernels=kernels, shared=name == GROUPED)
+            if name == GROUPED:
                 err = max(err, compare(module, name, top_k, dtype, lora_rank=CHECK_RANK, kernels=kernels))
         except CheckSetupError as exc:  # the harness, not the implementation: keep it, say so
             return ExpertsCheck(implementation, f"not self-checked: the experts module could not be copied ({exc})",
@@ -244,7 +262,7 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
                     experts_module.__dict__[ROUTED_KERNELS_ATTR] = kernels
             return ExpertsCheck(name, f"fwd+bwd rel. error {err:.1e} <= {tol:.0e} vs eager fp32 ({n_experts} "
                                       f"experts, top-{routed}, {CHECK_TOKENS} tokens"
-                                      f"{f', factored LoRA r={CHECK_RANK}' if name == GROUPED else ''}"
+                                      f"{f', shared expert, factored LoRA r={CHECK_RANK}' if name == GROUPED else ''}"
                                       f"{f', routed rows: {kernels}' if name == GROUPED else ''})",
                                 rejected)
         rejected.append((label, f"rel. error {err:.2e} > {tol:.0e} vs eager fp32"))

@@ -12,7 +12,8 @@ GEMMs (the low-rank ones through the rank), the routing weight scales the interm
 narrower than the hidden one; the down projection is linear, so the product is the same), with
 SiLU in one Triton kernel each way on a GPU (`ops/routed_swiglu.py`), and the k rows of a token are
 summed back into it in one Triton kernel on a GPU (`ops/routed_combine.py`; the down projection's
-expert-LoRA rows added in the same sum), else after one gather. Expert parallelism, biases and post-expert norms
+expert-LoRA rows, and the sparse block's gated shared expert where `layers/moe_block.py` passes it,
+added in the same sum), else after one gather. Expert parallelism, biases and post-expert norms
 are not handled here: such modules run transformers' `grouped_mm` unchanged. With `fastqwen_fp8`,
 a frozen stack quantized by `patching/fp8_weights.py` runs its grouped GEMMs on FP8
 (`ops/fp8_grouped.py`); the module says so in its `Fp8Experts`.
@@ -28,8 +29,10 @@ from torch import nn
 
 from ..ops import availability
 from ..ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm
-from ..ops.routed_combine import routed_combine_torch, routed_combine_triton
+from ..ops.routed_combine import (routed_combine_torch, routed_combine_triton, shared_term_backward_torch,
+                                  shared_term_backward_triton)
 from ..ops.routed_swiglu import routed_swiglu_triton
+from .experts_implementation import experts_implementation
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
 REPLACES = "grouped_mm"  # the implementation it stands in for (same math)
@@ -46,6 +49,17 @@ class ExpertLora:
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """The shared expert's term of a sparse MoE block (Qwen3.5-MoE, Qwen3-Next): `sigmoid(gate)·output`,
+    added to every token's routed sum. output: (T, H), the shared expert's MLP; gate: (T, 1), the logits of
+    the block's `shared_expert_gate`. `fastqwen_grouped` adds it inside the sum of each token's routed rows
+    (`ops/routed_combine.py`), instead of a multiply and an add over `[T, H]` each way."""
+
+    output: torch.Tensor
+    gate: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -188,13 +202,16 @@ def _low_rank(x: torch.Tensor, lora: ExpertLora, offsets: torch.Tensor) -> torch
 
 
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor, lora: dict[str, ExpertLora] | None = None) -> torch.Tensor:
+                            top_k_weights: torch.Tensor, lora: dict[str, ExpertLora] | None = None,
+                            shared_expert: SharedExpert | None = None) -> torch.Tensor:
     """transformers' experts contract: hidden (T, H), top-k indices and weights (T, k) -> (T, H).
-    `lora` maps "gate_up_proj" / "down_proj" to its factored adapter (see `patching/expert_lora.py`)."""
+    `lora` maps "gate_up_proj" / "down_proj" to its factored adapter (see `patching/expert_lora.py`);
+    `shared_expert`, where the sparse block passes it (`layers/moe_block.py`), is added to each token's
+    sum: the output is then the block's, `routed + sigmoid(gate)·shared`."""
     if not supports(self):
-        if lora:
-            raise ValueError(f"{type(self).__qualname__}: factored expert LoRA needs a gated, bias-free, "
-                             "single-GPU experts module")
+        if lora or shared_expert is not None:
+            raise ValueError(f"{type(self).__qualname__}: factored expert LoRA and the shared expert's term need a "
+                             "gated, bias-free, single-GPU experts module")
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         return ALL_EXPERTS_FUNCTIONS[REPLACES](self, hidden_states, top_k_index, top_k_weights)
@@ -209,10 +226,10 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     # grouped GEMMs are not autocast ops: rows go in the weights' dtype, as in transformers
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
+    token_of_row = order // k
     triton = routed_kernels(self, hidden_states) == "triton"
-    rows = _RoutedRows.apply(hidden_states, order, unsort, k, triton).to(weight_dtype)
-    gate_up = _project(rows, self, "gate_up_proj", offsets, expert_ids, lora.get("gate_up_proj"))
-    routing = top_k_weights.reshape(-1)[order]
+    rows, routing = _RoutedRows.apply(hidden_states, top_k_weights.reshape(-1), order, token_of_row, unsort, k, triton)
+    gate_up = _project(rows.to(weight_dtype), self, "gate_up_proj", offsets, expert_ids, lora.get("gate_up_proj"))
     if triton and silu_gate(self):
         inner = routed_swiglu_triton(gate_up, routing)
     else:
@@ -221,52 +238,80 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     down_lora = lora.get("down_proj")
     out = _project(inner, self, "down_proj", offsets, expert_ids, None if triton else down_lora)
     extra = _low_rank(inner, down_lora, offsets) if triton and down_lora is not None else None  # added in the sum
-    return _CombinedRows.apply(out, extra, order, unsort, k, triton).to(hidden_states.dtype)
+    if shared_expert is None:
+        return _CombinedRows.apply(out, extra, None, None, token_of_row, unsort, k, triton).to(hidden_states.dtype)
+    shared, gate = shared_expert.output, shared_expert.gate
+    dtype = torch.promote_types(hidden_states.dtype, shared.dtype)  # the block's `routed.to(hidden) + shared`
+    return _CombinedRows.apply(out, extra, shared, gate, token_of_row, unsort, k, triton).to(dtype)
+
+
+def takes_shared_expert(experts: nn.Module) -> bool:
+    """Whether `experts(x, index, weights, shared_expert=...)` reaches `grouped_experts_forward` now: a
+    transformers experts class dispatching to `fastqwen_grouped` that it supports, or an instance forward
+    that says so itself (`takes_shared_expert()`: the factored expert LoRA's, `patching/expert_lora.py`)."""
+    attr = "_old_forward" if "_old_forward" in experts.__dict__ else "forward"  # beneath accelerate's hook
+    forward = experts.__dict__.get(attr)
+    if forward is not None:
+        says = getattr(forward, "takes_shared_expert", None)
+        return bool(says is not None and says())
+    return (type(experts).__module__.startswith("transformers.") and experts_implementation(experts) == GROUPED
+            and supports(experts))
 
 
 def _sum_per_token(rows: torch.Tensor, unsort: torch.Tensor, k: int, triton: bool,
-                   extra: torch.Tensor | None = None) -> torch.Tensor:
-    """(T·k, H) expert-ordered rows (+ `extra`'s) -> (T, H): each token's k rows summed, accumulated in fp32."""
-    return (routed_combine_triton if triton else routed_combine_torch)(rows, unsort, k, extra)
+                   extra: torch.Tensor | None = None, shared: torch.Tensor | None = None,
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
+    """(T·k, H) expert-ordered rows (+ `extra`'s) -> (T, H): each token's k rows summed, accumulated in fp32
+    (+ `sigmoid(gate)·shared`, in the same sum)."""
+    return (routed_combine_triton if triton else routed_combine_torch)(rows, unsort, k, extra, shared, gate)
 
 
 class _RoutedRows(torch.autograd.Function):
-    """(T, H) -> its (T·k, H) routed rows in expert order, `x[order // k]`. Autograd's backward of
-    that index is an atomic scatter-add (sorting the indices first, in bf16: 51.7 ms a step, the
-    second-largest elementwise kernel of the 35B-A3B profile in benchmarks/h200/2026-12-04d); each
-    token's k rows are known, so the backward here sums the k rows of each token back into it
-    (`_sum_per_token`: one Triton kernel on a GPU, else a gather and a reduction), in fp32 and in a
-    fixed order."""
+    """(T, H) -> its (T·k, H) routed rows in expert order, `x[order // k]`, and the (T·k,) routing
+    weights in the same order, `w[order]`. Autograd's backward of either index is a scatter-add that
+    sorts its indices first (for the rows, in bf16: 51.7 ms a step, the second-largest elementwise
+    kernel of the 35B-A3B profile in benchmarks/h200/2026-12-04d; for the weights, nine launches a
+    layer). Both are permutations: each token's k rows are known, so the rows' gradient is each
+    token's k rows summed back into it (`_sum_per_token`: one Triton kernel on a GPU, else a gather and
+    a reduction, in fp32 and in a fixed order), and the weights' gradient is one gather by the inverse
+    permutation."""
 
     @staticmethod
-    def forward(ctx, x, order, unsort, k, triton):
+    def forward(ctx, x, weights, order, token_of_row, unsort, k, triton):
         ctx.save_for_backward(unsort)
         ctx.k, ctx.triton = k, triton
-        return x[order // k]
+        return x[token_of_row], weights[order]
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad_rows, grad_weights):
         (unsort,) = ctx.saved_tensors
-        return _sum_per_token(grad, unsort, ctx.k, ctx.triton), None, None, None, None
+        dx = _sum_per_token(grad_rows, unsort, ctx.k, ctx.triton) if ctx.needs_input_grad[0] else None
+        dw = grad_weights[unsort] if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None, None
 
 
 class _CombinedRows(torch.autograd.Function):
     """(T·k, H) expert-ordered rows (+ the down projection's expert-LoRA rows, `extra`, whose add is
-    folded into the sum) -> (T, H), each token's k rows summed: `_sum_per_token`. Its backward through
-    the permutation is again a scatter; here it is the gather `grad[order // k]`, the same for both
-    inputs."""
+    folded into the sum; + the shared expert's gated output) -> (T, H), each token's k rows summed:
+    `_sum_per_token`. Its backward through the permutation is again a scatter; here it is the gather
+    `grad[order // k]`, the same for both row inputs; the shared expert's and its gate's gradients come
+    from one pass (`shared_term_backward_*`)."""
 
     @staticmethod
-    def forward(ctx, y, extra, order, unsort, k, triton):
-        ctx.save_for_backward(order)
-        ctx.k, ctx.has_extra = k, extra is not None
-        return _sum_per_token(y, unsort, k, triton, extra)
+    def forward(ctx, y, extra, shared, gate, token_of_row, unsort, k, triton):
+        ctx.save_for_backward(token_of_row, shared, gate)
+        ctx.has_extra, ctx.triton = extra is not None, triton
+        return _sum_per_token(y, unsort, k, triton, extra, shared, gate)
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        rows = grad[order // ctx.k]
-        return rows, (rows if ctx.has_extra else None), None, None, None, None
+        token_of_row, shared, gate = ctx.saved_tensors
+        rows = grad[token_of_row]
+        d_shared = d_gate = None
+        if shared is not None:
+            d_shared, d_gate = (shared_term_backward_triton if ctx.triton else shared_term_backward_torch)(
+                grad, shared, gate)
+        return rows, (rows if ctx.has_extra else None), d_shared, d_gate, None, None, None, None
 
 
 def register() -> None:

@@ -86,12 +86,27 @@ class FactoredExpertsForward:
         self.original = outer.__dict__.get(attr)
         self.calls = 0  # forwards that ran factored (the report and the tests read it)
 
-    def __call__(self, x, *args, **kwargs):
+    def _factored_adapter(self, kwargs: dict) -> str | None:
+        """The adapter to run factored for a call with `kwargs`, or None (peft's forward then)."""
         adapter = None if kwargs.get("adapter_names") is not None else _adapter(self.chain)
         if (adapter is None or experts_implementation(self.experts) != GROUPED or not supports(self.experts)
                 or any(w.num_experts <= 1 for w in self.chain.values())):
+            return None
+        return adapter
+
+    def takes_shared_expert(self) -> bool:
+        """A plain call runs factored, in `grouped_experts_forward`, which adds the sparse block's shared
+        expert in its sum (`layers/moe_block.py` asks)."""
+        return self._factored_adapter({}) is not None
+
+    def __call__(self, x, *args, **kwargs):
+        adapter = self._factored_adapter(kwargs)
+        if adapter is None:
             original = self.original or type(self.outer).forward.__get__(self.outer)
-            return original(x, *args, **kwargs)
+            shared = kwargs.pop("shared_expert", None)
+            out = original(x, *args, **kwargs)
+            # transformers' block's own term, should the adapters change between its question and this call
+            return out if shared is None else out + torch.sigmoid(shared.gate) * shared.output
         kwargs.pop("adapter_names", None)
         dtype = compute_dtype(self.experts)
         lora = {name: factored(wrapper, adapter, dtype) for name, wrapper in self.chain.items()}

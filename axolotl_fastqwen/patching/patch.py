@@ -38,6 +38,7 @@ from ..layers.attention import attention_forward
 from ..layers import grouped_experts
 from ..layers.causal_lm import causal_lm_forward
 from ..layers.gated_deltanet import gated_deltanet_forward
+from ..layers.moe_block import sparse_moe_block_forward
 from ..layers.norms import rms_norm_forward
 from ..memory.lean_activations import LeanActivations
 from ..ops import availability
@@ -89,6 +90,7 @@ class PatchReport:
     experts_check: object | None = None  # kernels.experts_check.ExpertsCheck, set at the first GPU forward
     lean: LeanActivations | None = field(default=None, repr=False)  # fastqwen_lean_activations, when on
     rms_norms: int = 0  # transformers RMSNorm modules of the decoder run by the rms_norm op
+    moe_blocks: int = 0  # sparse MoE blocks whose shared expert is added in the routed sum (layers/moe_block.py)
     fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
     mlp_chunks: MlpChunks | None = field(default=None, repr=False)  # fastqwen_mlp_chunk_tokens, when set
     offload: CheckpointOffload | None = field(default=None, repr=False)  # fastqwen_checkpoint_offload, when on
@@ -148,6 +150,11 @@ class PatchReport:
             experts["rejected"] = check.to_dict()["rejected"] if check is not None else []
             if experts["implementation"] == grouped_experts.GROUPED:
                 experts["routed_rows"] = grouped_experts.describe_routed_kernels(experts_modules(model)[0])
+            experts["shared_expert"] = (
+                f"its gated output added in the routed rows' sum ({self.moe_blocks} sparse blocks, layers/moe_block.py)"
+                if self.moe_blocks and experts["implementation"] == grouped_experts.GROUPED else
+                "transformers' block forward" + ("" if self.moe_blocks else
+                                                 " (no sparse block of transformers' own forward was found)"))
         return experts
 
     def format(self) -> str:
@@ -222,6 +229,7 @@ def patch_model(
         context=context,
         model=weakref.ref(base),
         rms_norms=len(norms),
+        moe_blocks=counts["moe_block"],
     )
     experts_before = _use_grouped_experts(base, kernels)
     lora_cast = LoraInputCast(base)
@@ -265,12 +273,17 @@ def _install_layers(base: nn.Module, plan: FamilyPlan, kernels: KernelSet, conte
     (patched modules, layer counts by kind, the norms among them)."""
     layers = {cls: (gated_deltanet_forward, "gated_deltanet") for cls in plan.gated_deltanet}
     layers.update({cls: (attention_forward, "attention") for cls in plan.attention})
+    # the sparse blocks whose forward is still transformers' own (another integration's class patch is left alone)
+    layers.update({cls: (sparse_moe_block_forward, "moe_block") for cls in plan.moe_block
+                   if cls.forward.__module__ == plan.module.__name__})
     patched: list[nn.Module] = []
-    counts = {"gated_deltanet": 0, "attention": 0}
+    counts = {"gated_deltanet": 0, "attention": 0, "moe_block": 0}
     for module in base.modules():
         if type(module) not in layers:
             continue
         forward, kind = layers[type(module)]
+        if kind == "moe_block" and _forward_replaced(module):  # e.g. Axolotl's LoRA MLP kernel, bound per instance
+            continue
         if kind == "gated_deltanet":
             _check_conv_not_adapted(module)
         _install(module, forward, plan, kernels, context)
