@@ -156,12 +156,9 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
             x = hidden.to(cast).requires_grad_(True)
             w = weights.to(cast).requires_grad_(True)
             term = [t.to(cast, copy=True).requires_grad_(True) for t in shared_term] if shared else []
-            if shared and candidate:
-                out = grouped_experts_forward(proxy, x, index, w, shared_expert=SharedExpert(*term))
-                runs.append((out, [x, w, *term, *proxy.parameters()]))
-                continue
-            if shared:  # transformers' sparse block: the experts, then `+ sigmoid(gate)·shared`
-                out = proxy(x, index, w) + torch.sigmoid(term[1]) * term[0]
+            if shared:  # the reference is transformers' sparse block: the experts, then `+ sigmoid(gate)·shared`
+                out = (grouped_experts_forward(proxy, x, index, w, shared_expert=SharedExpert(*term)) if candidate
+                       else proxy(x, index, w) + torch.sigmoid(term[1]) * term[0])
                 runs.append((out, [x, w, *term, *proxy.parameters()]))
                 continue
             if not factors:
