@@ -45,6 +45,13 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
         lines.append(f"  fused LoRA: {fused['layers']} peft LoRA linear layers, {fused['fused_calls']} calls with the "
                      "adapter added by the GEMM (no full-size scale or add)"
                      + (f"; peft's own forward where {others}" if others else ""))
+        copies = fused.get("weight_copies")
+        if copies and copies["state"] == "on":
+            lines.append(f"  {'':<12}adapters of {copies['layers']} decoder layers cast to the compute dtype once a "
+                         f"forward, s·B folded ({copies['bytes'] / 2**20:.1f} MiB; multi-tensor kernels, "
+                         "lora_weight_copies.py)")
+        elif copies and copies["state"].startswith("off: "):
+            lines.append(f"  {'':<12}adapter casts per layer: {copies['state'].removeprefix('off: ')}")
     chunks = d.get("mlp_chunks")
     if chunks is not None:
         lines.append(f"  mlp chunks: {chunks['mlps']} dense MLPs run rows of more than {chunks['chunk_tokens']} tokens "

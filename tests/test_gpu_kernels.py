@@ -1122,3 +1122,58 @@ def test_routed_swiglu_and_combine_at_the_35b_a3b_expert_shapes(gpu_record):
     gpu_record({"test": "routed_row_kernels_35b_a3b_shapes", **row})
     assert row["fused"] <= OP_TOL and row["fused"] <= 1.05 * row["unfused"], row
     assert row["combine"] <= OP_TOL and row["combine"] <= 1.05 * row["combine_torch"] + 1e-6, row
+
+
+def test_lora_weight_copies_on_the_gpu_save_six_launches_a_layer(gpu_record):
+    """`patching/lora_weight_copies.py` on CUDA: a small Qwen3.5 (bf16 base, fp32 adapters r=16,
+    lora_alpha 32, bf16 autocast, non-reentrant checkpointing, 2,048 packed tokens): the loss and every
+    gradient are the per-layer casts' bit for bit (s = 2), and the step launches at least 6 fewer CUDA
+    kernels per adapted layer, less the copies' own multi-tensor kernels (counted by the profiler); both
+    steps timed (recorded)."""
+    from peft import LoraConfig, get_peft_model
+    from torch.profiler import ProfilerActivity, profile
+
+    from axolotl_fastqwen.kernel_choice import fp8_decision
+    from axolotl_fastqwen.patching import lora_weight_copies
+    from test_patching import LORA_TARGETS, model_for, packed_batch, sequences
+
+    torch.manual_seed(0)
+    model = get_peft_model(model_for("qwen3_5"), LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS,
+                                                            init_lora_weights=False))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = model.to("cuda", torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float() + 1e-3 * torch.randn_like(p.data, dtype=torch.float32)  # not bf16 values
+    batch = {k: v.cuda() for k, v in packed_batch(sequences(model.config.vocab_size, [700, 1, 333, 1014]), budget=2048).items()}
+    results = {}
+    for copies in (False, True):
+        with pytest.MonkeyPatch.context() as m:
+            if not copies:
+                m.setattr(lora_weight_copies.LoraWeightCopies, "_why_not", lambda self, d: "off: the test's control")
+            report = patch_model(model, fused_cross_entropy=False, log=False)
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(**batch).loss
+                loss.backward()
+                return loss.detach()
+
+            loss = step()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+            ms = fp8_decision.median_ms(step, iters=5, warmup=1)
+            fused = report.to_dict()["fused_lora"]
+            unpatch_model(model)
+        results[copies] = (loss, grads, launches, ms, fused)
+    (ref_loss, ref, before, ref_ms, _), (loss, grads, after, copy_ms, fused) = results[False], results[True]
+    layers = fused["weight_copies"]["layers"]
+    gpu_record({"test": "lora_weight_copies", "layers": layers, "launches_per_layer_cast": before,
+                "launches_copies": after, "ms_per_layer_cast": ref_ms, "ms_copies": copy_ms})
+    assert fused["weight_copies"]["state"] == "on" and layers > 0
+    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], ref[n]) for n in ref)
+    assert before - after >= 6 * layers - 16, (before, after, layers)

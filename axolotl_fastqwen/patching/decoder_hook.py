@@ -1,7 +1,8 @@
 """The decoder's forward pre-hook: what is decided once per forward, before the first layer.
 
-In order: the GPU self-check (first forward only), peft's LoRA input cast (`lora_input_cast.py`) and its
-expert LoRA run factored (`expert_lora.py`), the batch-shape record for the report, the checkpoint
+In order: the GPU self-check (first forward only), peft's LoRA input cast (`lora_input_cast.py`), its
+expert LoRA run factored (`expert_lora.py`) and the fused LoRA layers' adapters cast once for the
+forward (`lora_weight_copies.py`), the batch-shape record for the report, the checkpoint
 offload's hold on the layers' checkpoint functions (training forwards), then the
 boundaries (`boundaries.resolve`) and what follows from them: one boundaries object for every
 layer, no 4-D masks (the varlen kernels need none) and no cache on a packed row (it is not a
@@ -94,7 +95,7 @@ class DecoderPreHook:
         if self.expert_adapters is not None:
             self.expert_adapters.update()
         if self.fused_lora is not None:
-            self.fused_lora.update()
+            self.fused_lora.update(self.report.kernels.device.type)
         fused = self.fused_lora.fused_layers(self.lora_cast.layers) if self.fused_lora is not None else 0
         for note in (self.lora_cast.describe(fused), self.expert_adapters and self.expert_adapters.describe()):
             if note and note not in self.report.kernels.notes:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .instance_forward import replace_forward, restore_forward
+from .lora_weight_copies import LoraWeightCopies
 
 KEY = "_fastqwen_fused_lora"
 
@@ -49,8 +50,8 @@ def peft_linear_layers(model: nn.Module) -> list[nn.Module]:
 class FusedLoraForward:
     """One layer's instance forward: fused where the layer is the plain case, peft's otherwise."""
 
-    def __init__(self, module: nn.Module, original, counts: Counter):
-        self.module, self.original, self.counts = module, original, counts
+    def __init__(self, module: nn.Module, original, counts: Counter, copies: LoraWeightCopies):
+        self.module, self.original, self.counts, self.copies = module, original, counts, copies
 
     def __call__(self, x, *args, **kwargs):
         if torch.compiler.is_compiling():  # a compiled graph fuses peft's ops itself; no Python-side count in it
@@ -60,29 +61,40 @@ class FusedLoraForward:
             self.counts[why] += 1
             return self.original(x, *args, **kwargs)
         self.counts["fused"] += 1
-        return add_adapter(self.module, adapter, x)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        copies = self.copies.get(self.module, adapter, torch.get_autocast_dtype(x.device.type)) if autocast else None
+        return add_adapter(self.module, adapter, x, copies)
 
     def _plain(self, x, args, kwargs) -> tuple[str | None, str | None]:
         """(the adapter to fuse, None), or (None, why peft's forward runs instead)."""
         m = self.module
         if args or kwargs:
             return None, "called with more than the input (e.g. adapter_names: a mixed-adapter batch)"
-        if m.disable_adapters or m.merged:
-            return None, "adapters disabled or merged"
-        active = m.active_adapters
-        if len(active) != 1 or active[0] not in m.lora_A:
-            return None, "not exactly one active adapter on the layer"
-        adapter = active[0]
-        if (m.use_dora.get(adapter) or getattr(m, "lora_variant", {}).get(adapter) is not None
-                or m.lora_bias.get(adapter) or m.fan_in_fan_out):
-            return None, "a LoRA variant (DoRA, ...), lora_bias or fan_in_fan_out"
+        adapter, why = plain_case(m)
+        if adapter is None:
+            return None, why
         if not torch.is_autocast_enabled(x.device.type) and not (
                 x.dtype == m.lora_A[adapter].weight.dtype == m.lora_B[adapter].weight.dtype):
             return None, "adapter and input dtypes differ without autocast"
         return adapter, None
 
 
-def add_adapter(module: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
+def plain_case(m: nn.Module) -> tuple[str | None, str | None]:
+    """What the fused forward computes, whatever the input: (the layer's one active adapter, None), or
+    (None, why not)."""
+    if m.disable_adapters or m.merged:
+        return None, "adapters disabled or merged"
+    active = m.active_adapters
+    if len(active) != 1 or active[0] not in m.lora_A:
+        return None, "not exactly one active adapter on the layer"
+    adapter = active[0]
+    if (m.use_dora.get(adapter) or getattr(m, "lora_variant", {}).get(adapter) is not None
+            or m.lora_bias.get(adapter) or m.fan_in_fan_out):
+        return None, "a LoRA variant (DoRA, ...), lora_bias or fan_in_fan_out"
+    return adapter, None
+
+
+def add_adapter(module: nn.Module, adapter: str, x: torch.Tensor, copies=None) -> torch.Tensor:
     """`base(x) + s·B(A(x))` of a peft LoRA `Linear`, the adapter's product added by its GEMM.
 
     The layer runs on the rows as a matrix, so that the base's output is a `[tokens, out]` tensor of its
@@ -91,11 +103,18 @@ def add_adapter(module: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tenso
     benchmarks/h100/2026-12-06h). Nothing holds the base's output for backward (a linear saves its
     input), so autograd takes the in-place add. A base whose output is a view (an FP8 base's, cut from
     its padded GEMM output) gets the out-of-place add. In place, autocast does not cast: the operands
-    are cast to the output's dtype, as autocast's `addmm` casts them."""
+    are cast to the output's dtype, as autocast's `addmm` casts them.
+
+    `copies`: `(A, s·B)` already in the compute dtype (`lora_weight_copies.py`), multiplied as they are
+    (alpha 1); None: the layer's own weights, cast here and scaled by the GEMM."""
     rows = x.reshape(-1, x.shape[-1])
     result = module.base_layer(rows)
-    low = module.lora_A[adapter](module.lora_dropout[adapter](rows))  # peft's order: the same dropout mask
-    b, scaling = module.lora_B[adapter].weight, module.scaling[adapter]
+    dropped = module.lora_dropout[adapter](rows)  # peft's order: the same dropout mask
+    if copies is not None and copies[0].dtype == result.dtype:
+        low, b, scaling = torch.nn.functional.linear(dropped, copies[0]), copies[1], 1
+    else:
+        low = module.lora_A[adapter](dropped)
+        b, scaling = module.lora_B[adapter].weight, module.scaling[adapter]
     if result._base is None:
         out = result.addmm_(low.to(result.dtype), b.t().to(result.dtype), alpha=scaling)
     else:
@@ -105,24 +124,35 @@ def add_adapter(module: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tenso
 
 class FusedLora:
     """Installs `FusedLoraForward` on every peft LoRA `Linear` at the first forward; `restore` takes
-    them off."""
+    them off. Before each forward of the decoders, `update` also casts the compute-dtype copies of
+    their layers' adapters (`lora_weight_copies.py`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, decoders: list[nn.Module] = ()):
         self.model = model
+        self.decoders = list(decoders)
         self.layers: list[nn.Module] | None = None
+        self.decoder_layers: list[nn.Module] = []  # the layers inside the decoders: the copies' scope
         self.counts: Counter = Counter()  # calls fused, and calls by why peft's forward ran
+        self.copies = LoraWeightCopies()
 
-    def update(self) -> None:
-        if self.layers is not None:
-            return
-        self.layers = peft_linear_layers(self.model)
-        for module in self.layers:
-            replace_forward(module, KEY, lambda original, module=module: FusedLoraForward(module, original, self.counts))
+    def update(self, device_type: str | None = None) -> None:
+        if self.layers is None:
+            self.layers = peft_linear_layers(self.model)
+            for module in self.layers:
+                replace_forward(module, KEY, lambda original, module=module: FusedLoraForward(
+                    module, original, self.counts, self.copies))
+            inside = {id(m) for d in self.decoders for m in d.modules()}
+            self.decoder_layers = [m for m in self.layers if id(m) in inside]
+        if device_type is not None:
+            pairs = [(m, adapter) for m in self.decoder_layers for adapter in [plain_case(m)[0]] if adapter is not None]
+            self.copies.refresh(pairs, device_type)
 
     def restore(self) -> None:
         for module in self.layers or []:
             restore_forward(module, KEY)
         self.layers = None
+        self.decoder_layers = []
+        self.copies = LoraWeightCopies()
 
     def fused_layers(self, layers) -> int:
         """How many of `layers` carry the fused forward."""
@@ -132,4 +162,5 @@ class FusedLora:
     def to_dict(self) -> dict:
         """Layers found, calls fused, and calls by why peft's forward ran (read live by the report)."""
         return {"layers": len(self.layers or []), "fused_calls": self.counts["fused"],
-                "peft_calls": {why: n for why, n in self.counts.most_common() if why != "fused"}}
+                "peft_calls": {why: n for why, n in self.counts.most_common() if why != "fused"},
+                "weight_copies": self.copies.to_dict()}

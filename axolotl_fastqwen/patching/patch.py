@@ -240,7 +240,7 @@ def patch_model(
     if checkpoint_offload:
         report.offload = CheckpointOffload(decoder_layers, auto=checkpoint_offload == "auto")
     if fused_lora:
-        report.fused_lora = FusedLora(base)
+        report.fused_lora = FusedLora(base, [m for m in base.modules() if type(m) in plan.decoder])
     hook = DecoderPreHook(report, base, lora_cast, context, expert_adapters, offload=report.offload,
                           fused_lora=report.fused_lora)
     hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in base.modules() if type(m) in plan.decoder]
