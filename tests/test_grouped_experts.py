@@ -292,3 +292,24 @@ def test_the_patched_moe_model_traces_whole_under_torch_compile_in_fp32(family):
     finally:
         torch._dynamo.reset()
     assert rel(compiled, stock) <= TOL
+
+
+@pytest.mark.parametrize("experts,key", [(256, torch.uint8), (512, torch.int16), (40000, torch.int64)])
+def test_rows_sorted_by_expert_in_the_narrowest_key_give_the_int64_sort_and_the_counts(experts, key):
+    """`sort_by_expert` against an independent reference: a stable sort of the int64 ids and the cumulative
+    bincount. Exact (integers). Qwen3.5-MoE's 256 experts sort as uint8 (one radix pass on a GPU, where
+    int64 took eight), Qwen3-Next's 512 as int16. Experts without rows, the last id, a token's k experts
+    in any order, and no tokens at all."""
+    from axolotl_fastqwen.layers.grouped_experts import sort_by_expert
+
+    gen = torch.Generator().manual_seed(3)
+    chosen = torch.randperm(experts, generator=gen)[:37]  # most experts get no row
+    index = chosen[torch.randint(0, 37, (300, 8), generator=gen)]
+    index[0] = experts - 1  # the largest id survives the narrowing
+    for top_k_index in (index, index[:0]):
+        ids, order, offsets = sort_by_expert(top_k_index, experts)
+        flat = top_k_index.reshape(-1)
+        assert ids.dtype == key and offsets.dtype == torch.int32 and offsets.shape == (experts,)
+        assert torch.equal(order, torch.sort(flat, stable=True)[1])
+        assert torch.equal(ids.long(), flat[order])
+        assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat, minlength=experts), 0))
