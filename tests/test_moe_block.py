@@ -128,3 +128,25 @@ def test_a_block_forward_another_integration_bound_is_left_alone():
         assert report.moe_blocks == 0 and "no sparse block" in report.to_dict()["experts"]["shared_expert"]
     finally:
         cls.forward = original
+
+
+def test_beneath_accelerate_s_hooks_the_experts_still_take_the_term(monkeypatch):
+    """`device_map` puts accelerate's hook on every module: its wrapper in `forward`, the real forward in
+    `_old_forward` (`layers/forward_slot.py`). The experts behind such a hook still take the shared
+    term, and a forward someone bound beneath the hook still counts as theirs."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = build_tiny_model("qwen3_5_moe").train()
+    patch_model(model, fused_cross_entropy=False, log=False)
+    try:
+        experts = experts_modules(model)[0]
+        add_hook_to_module(experts, ModelHook())
+        assert "_old_forward" in experts.__dict__ and grouped_experts.takes_shared_expert(experts)
+        counted = _Counted(monkeypatch)
+        hidden = torch.randn(1, 9, model.config.hidden_size)
+        blocks(model)[0](hidden)
+        assert counted.calls == 1
+        experts._old_forward = lambda *args, **kwargs: args[0]  # another integration's, beneath the hook
+        assert not grouped_experts.takes_shared_expert(experts)
+    finally:
+        unpatch_model(model)

@@ -34,6 +34,7 @@ from ..ops.routed_combine import (routed_combine_torch, routed_combine_triton, s
                                   shared_term_backward_triton)
 from ..ops.routed_swiglu import routed_swiglu_triton
 from .experts_implementation import experts_implementation
+from .forward_slot import bound_forward
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
 REPLACES = "grouped_mm"  # the implementation it stands in for (same math)
@@ -274,8 +275,7 @@ def takes_shared_expert(experts: nn.Module) -> bool:
     """Whether `experts(x, index, weights, shared_expert=...)` reaches `grouped_experts_forward` now: a
     transformers experts class dispatching to `fastqwen_grouped` that it supports, or an instance forward
     that says so itself (`takes_shared_expert()`: the factored expert LoRA's, `patching/expert_lora.py`)."""
-    attr = "_old_forward" if "_old_forward" in experts.__dict__ else "forward"  # beneath accelerate's hook
-    forward = experts.__dict__.get(attr)
+    forward = bound_forward(experts)
     if forward is not None:
         says = getattr(forward, "takes_shared_expert", None)
         return bool(says is not None and says())

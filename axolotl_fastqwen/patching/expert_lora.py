@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.experts_implementation import EXPERT_WEIGHTS, experts_implementation, is_experts
+from ..layers.forward_slot import forward_attr
 from ..layers.grouped_experts import GROUPED, RANK_MULTIPLE, ExpertLora, compute_dtype, grouped_experts_forward, supports
 
 
@@ -134,8 +135,7 @@ class ExpertAdapters:
             return
         self.installed = []
         for outer, chain, experts in wrapper_chains(self.model):
-            # accelerate's dispatch hooks keep the real forward in `_old_forward`: install beneath them
-            attr = "_old_forward" if "_old_forward" in outer.__dict__ else "forward"
+            attr = forward_attr(outer)  # beneath accelerate's dispatch hook
             forward = FactoredExpertsForward(outer, chain, experts, attr)
             setattr(outer, attr, forward)
             self.installed.append(forward)

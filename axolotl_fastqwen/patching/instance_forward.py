@@ -1,5 +1,5 @@
-"""Where a module instance's own forward lives, for patches that replace it per instance, and the
-replacement itself: done and undone the same way by every such patch."""
+"""A module instance's own forward replaced and given back, the same way by every patch that does it
+(beneath accelerate's hook: `layers/forward_slot.py`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-
-def forward_attr(module: nn.Module) -> str:
-    """Where the module's real forward is: accelerate's dispatch hooks keep it in `_old_forward`."""
-    return "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+from ..layers.forward_slot import forward_attr
 
 
 def replace_forward(module: nn.Module, key: str, make: Callable[[Callable], Callable]) -> None:

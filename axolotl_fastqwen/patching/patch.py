@@ -32,7 +32,7 @@ from ..memory.checkpoint_offload import CheckpointOffload
 from ..layers.experts_implementation import describe_experts, experts_implementation, experts_modules, set_experts_implementation
 from ..families.base import FamilyPlan, detect_family, unwrap
 from .forward_context import ForwardContext
-from .instance_forward import forward_attr
+from ..layers.forward_slot import bound_forward, forward_attr
 from ..kernel_choice import KernelSet, hopper_guard, select_kernels
 from ..layers.attention import attention_forward
 from ..layers import grouped_experts
@@ -376,9 +376,8 @@ def _install(module: nn.Module, forward, plan: FamilyPlan, kernels: KernelSet, c
 
 def _forward_replaced(module: nn.Module) -> bool:
     """Another integration bound its own forward to this instance (Liger's `_patch_rms_norm_module`
-    does, given a model): leave the module to it. accelerate's hook keeps the class forward beneath."""
-    forward = module.__dict__.get(forward_attr(module))
-    return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
+    does, given a model): leave the module to it."""
+    return bound_forward(module) is not None
 
 
 def _uninstall(module: nn.Module) -> None:
