@@ -377,3 +377,26 @@ def test_fp8_trains_through_axolotl_with_the_losses_of_bf16_and_saves_a_plain_ad
     assert report(forward_only)["kernels"]["fp8"]["input_gradient"] == "bf16" and got["input_gradient"] == "fp8"
     assert "input gradients in bf16 on the dequantized weights" in log
     assert all(abs(a - b) <= 0.02 * b for a, b in zip(train_losses(log), reference))
+
+
+def test_bf16_autocast_with_the_adapters_cast_once_a_forward_gives_the_per_layer_losses(tmp_path):
+    """`bf16: true` on a CPU (tests/bf16_on_cpu.py): Axolotl's Trainer under bf16 autocast with peft's fp32 adapters, gradient
+    accumulation over two micro-batches and (non-reentrant) checkpointing: the fused LoRA layers read
+    adapters cast once a forward (`patching/lora_weight_copies.py`), refreshed every micro-batch and
+    never read after the optimizer's step. lora_alpha = 2r, so the per-step losses are those of the
+    per-layer casts (tests/no_weight_copies.py) to the printed digit, and the report says it was on."""
+    tests = str(ROOT / "tests")
+    plain, copies = tmp_path / "plain", tmp_path / "copies"
+    plain.mkdir(), copies.mkdir()
+    env = {"env_extra": {"PYTHONPATH": tests}}
+    # SGD: Adam's step does not see a gradient's scale (a B gradient off by s would train the same)
+    common = dict(bf16=True, gradient_checkpointing=True, gradient_accumulation_steps=2, micro_batch_size=1,
+                  optimizer="sgd", learning_rate=0.5)
+    ours = ["bf16_on_cpu.Bf16OnCpu", "axolotl_fastqwen.FastQwenPlugin"]
+    reference = train_losses(train(config(plain, plugins=["no_weight_copies.NoWeightCopies", *ours], **common), **env))
+    losses = train_losses(train(config(copies, plugins=ours, **common), **env))
+    assert len(losses) == len(reference) == 3 and losses == reference, (losses, reference)
+    fused = report(copies)["kernels"]["fused_lora"]
+    state = fused["weight_copies"]
+    assert state["state"] == "on" and state["layers"] == fused["layers"] > 0 and state["forwards"] == 6, fused
+    assert report(plain)["kernels"]["fused_lora"]["weight_copies"]["state"] == "off: the test's control"
