@@ -165,6 +165,39 @@ def expandable_segments(device: torch.device) -> bool | None:
     return any(seg.get("is_expandable", False) for seg in segments) if segments else None
 
 
+class GcPauses:
+    """Python's garbage collections and the time they held the host (`gc.callbacks`), per generation:
+    a step that a collection stalls shows here (issue 36: the spread of the MoE step times)."""
+
+    def __init__(self):
+        import gc
+
+        self._gc = gc
+        self.ms = 0.0
+        self.collections = collections.Counter()
+        self._started = None
+        self.installed = False
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.ms += (time.perf_counter() - self._started) * 1000
+            self.collections[f"gen{info['generation']}"] += 1
+            self._started = None
+
+    def install(self) -> None:
+        if not self.installed:
+            self._gc.callbacks.append(self._callback)
+            self.installed = True
+
+    def snapshot(self) -> tuple[float, dict[str, int]]:
+        return self.ms, dict(self.collections)
+
+
+GC = GcPauses()
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

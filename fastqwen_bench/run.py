@@ -406,12 +406,12 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
             record["notes"].append("the profiler recorded no CUDA kernels (CUPTI unavailable?): launches unknown")
         log(f"[{name}] profiled step: {prof['launches']['count']} {prof['launches']['unit']}, "
             f"GPU kernel time {prof['launches']['gpu_kernel_ms']} ms")
-        times, tokens, flops_model, flops_hw, slots = [], [], 0.0, 0.0, []
+        times, tokens, flops_model, flops_hw, slots, gc_pauses = [], [], 0.0, 0.0, [], []
         record["rows"] = {"warmup": ran, "profiled": w, "timed": []}
         for j in range(args.steps):
             k = w + 1 + j
             record["rows"]["timed"].append(k)
-            seconds, loss = _timed(lambda k=k: step(k), device)
+            seconds, loss = _timed(lambda k=k: step(k), device, gc_pauses)
             times.append(seconds)
             losses.append(loss)
             tokens.append(sum(lengths[k]))
@@ -445,6 +445,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         steps_measured=len(times),
         warmup_seconds=[round(s, 3) for s in warm],
         step_seconds=[round(s, 4) for s in times],
+        gc_per_step=gc_pauses,  # Python's collections in each timed step: pause ms, collections per generation
         step_time_median_s=round(median, 4),
         tokens_per_s=round(sum(tokens) / total_s, 1),
         real_tokens_per_step=round(sum(tokens) / len(tokens), 1),
@@ -467,12 +468,21 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
     )
 
 
-def _timed(fn, device) -> tuple[float, float]:
+def _timed(fn, device, gc_pauses: list | None = None) -> tuple[float, float]:
+    """One step's wall time (device synchronised both ends) and loss; with `gc_pauses`, appends the
+    step's garbage-collection pause (ms) and collections per generation."""
+    measure.GC.install()
     measure.sync(device)
+    before = measure.GC.snapshot()
     start = time.perf_counter()
     loss = fn()
     measure.sync(device)
-    return time.perf_counter() - start, float(loss)
+    seconds = time.perf_counter() - start
+    if gc_pauses is not None:
+        after = measure.GC.snapshot()
+        gens = {g: n - before[1].get(g, 0) for g, n in after[1].items() if n - before[1].get(g, 0)}
+        gc_pauses.append({"ms": round(after[0] - before[0], 2), "collections": gens})
+    return seconds, float(loss)
 
 
 def run_path(setup: Setup, name: str, limit: float | None = None, record: dict | None = None,
@@ -660,6 +670,12 @@ def markdown(result: dict) -> str:
             steps = "; ".join(f"after step {d['step']}: keep {d['kept_layers']} ({d['why']}, peak {d['peak_gib']} GiB)"
                               for d in r["checkpointing"]["decisions"])
             lines += ["", f"{r['name']}: fastqwen_checkpointing: auto: {r['checkpointing']['summary']}; steps: {steps}"]
+    for r in result["paths"]:
+        pauses = r.get("gc_per_step")
+        if pauses:
+            ms = [p["ms"] for p in pauses]
+            lines += ["", f"{r['name']}: Python garbage collection in the timed steps: {sum(ms):.1f} ms in all, "
+                          f"at most {max(ms):.1f} ms in one step; step seconds {r['step_seconds']}"]
     notes = [f"- {r['name']}: {r['error'][:300]}" for r in result["paths"] if r.get("error")]
     notes += [f"- {r['name']}: {n}" for r in result["paths"] for n in r.get("notes", [])]
     notes += [f"- {n}" for n in result.get("notes", [])]

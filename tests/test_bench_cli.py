@@ -35,6 +35,7 @@ PATH_KEYS = {
     "name", "layout", "status", "notes", "attempts", "launches", "calibration_loss", "step_losses",
     "tokens_per_s", "step_time_median_s", "mfu", "hfu", "peak_memory_gib", "recompiles_after_warmup",
     "triton_after_warmup", "triton_during_warmup", "padding_fraction", "seconds", "allocated_after_gib",
+    "gc_per_step",
 }
 
 
@@ -101,6 +102,7 @@ def test_bench_writes_complete_json(bench):
         assert r["steps_measured"] == 2 and len(r["step_losses"]) == 0 + 1 + 2
         assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["hfu"] >= r["mfu"]
         assert r["triton_after_warmup"] == {} and r["recompiles_after_warmup"] == 0
+        assert len(r["gc_per_step"]) == 2 and all(p["ms"] >= 0 for p in r["gc_per_step"])
     assert _path(result, "fastqwen")["patch_report"]["layers_patched"]["gated_deltanet"] == 3
     if with_axolotl and importlib.util.find_spec("torchao"):
         fp8 = _path(result, "axolotl-best+fp8")
@@ -708,3 +710,17 @@ def test_path_c_runs_the_routed_rows_and_the_shared_expert_as_before_the_kernels
         assert blocks and all(b.__dict__.get(OWN_FORWARD_ATTR) for b in blocks)
     assert all(OWN_FORWARD_ATTR not in b.__dict__ and "_fastqwen" not in b.__dict__ for b in blocks)
     assert all(ROUTED_KERNELS_ATTR not in m.__dict__ for m in experts_modules(model))
+
+
+def test_a_step_s_garbage_collections_are_timed_and_counted():
+    """The timed step records Python's collections inside it (the MoE step times' spread, issue 36):
+    a step that collects shows its pause and generation; one that does not shows none."""
+    import gc
+
+    from fastqwen_bench.run import _timed
+
+    pauses = []
+    _timed(lambda: (gc.collect(), torch.zeros(()))[1], torch.device("cpu"), pauses)
+    _timed(lambda: torch.zeros(()), torch.device("cpu"), pauses)
+    assert pauses[0]["ms"] > 0 and pauses[0]["collections"].get("gen2", 0) >= 1, pauses
+    assert pauses[1]["collections"].get("gen2", 0) == 0, pauses
