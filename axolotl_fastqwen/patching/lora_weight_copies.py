@@ -37,7 +37,7 @@ class CastForCompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype: torch.dtype, scales: tuple[float, ...], *weights: torch.Tensor):
         ctx.scales = scales
-        ctx.shapes = [(w.shape, w.dtype, w.device) for w in weights]
+        ctx.dtypes = [w.dtype for w in weights]  # the gradients go back in the weights' own dtypes
         ctx.set_materialize_grads(False)  # a layer that did not run sends None: nothing to cast
         return tuple(cast_scaled(list(weights), scales, dtype, stacked=True))
 
@@ -47,7 +47,7 @@ class CastForCompute(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None] * len(grads)
         if present:
             cast = cast_scaled([grads[i] for i in present], [ctx.scales[i] for i in present],
-                               [ctx.shapes[i][1] for i in present])
+                               [ctx.dtypes[i] for i in present])
             for i, g in zip(present, cast):
                 out[i] = g
         return (None, None, *out)
