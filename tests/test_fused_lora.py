@@ -314,7 +314,7 @@ def test_adapters_cast_once_a_forward_with_an_odd_scaling_are_as_accurate_per_la
             a.grad = b.grad = None
             xx = x.clone().requires_grad_(True)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                cast = CastForCompute.apply(torch.bfloat16, (1.0, s), a, b) if copies else None
+                cast = CastForCompute.apply((torch.bfloat16,) * 2, (1.0, s), a, b) if copies else None
                 y = add_adapter(layer, "default", xx, cast)
             y.backward(dy)
             for name, got, want in (("y", y, y_ref), ("dx", xx.grad, ref[0].grad), ("dA", a.grad, ref[1].grad),
@@ -336,9 +336,10 @@ def test_a_copy_is_never_read_after_its_weights_changed(monkeypatch):
             model(**batch).loss.backward()
         copies = report.fused_lora.copies
         layer = next(m for m in report.fused_lora.decoder_layers)
-        assert copies.get(layer, "default", torch.bfloat16) is not None
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert copies.get(layer, "default", torch.bfloat16, a, b) is not None
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=10.0).step()
-        assert copies.get(layer, "default", torch.bfloat16) is None
+        assert copies.get(layer, "default", torch.bfloat16, a, b) is None
         x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
             got = layer(x)

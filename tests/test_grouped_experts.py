@@ -313,3 +313,52 @@ def test_rows_sorted_by_expert_in_the_narrowest_key_give_the_int64_sort_and_the_
         assert torch.equal(order, torch.sort(flat, stable=True)[1])
         assert torch.equal(ids.long(), flat[order])
         assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat, minlength=experts), 0))
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_expert_lora_factors_cast_once_a_forward_give_the_per_call_casts_bits(family, monkeypatch):
+    """bf16 experts with peft's fp32 expert adapters (no autocast: grouped GEMMs run in the experts'
+    dtype): the factors of every wrapper are cast once a forward, `s·B` folded
+    (`patching/lora_weight_copies.py`), where each call cast them and scaled the `[rows, rank]` product.
+    lora_alpha = 2r: the loss, the auxiliary loss and every gradient are the per-call casts' bit for bit,
+    and the casts and the scale's multiplies are gone from each call."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from axolotl_fastqwen.patching import lora_weight_copies
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    batch = _batch(build_tiny_model(family).config.vocab_size)
+    runs = {}
+    for copies in (False, True):
+        model = _lora_model(family, 8).to(torch.bfloat16)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+        with monkeypatch.context() as m:
+            if not copies:
+                m.setattr(lora_weight_copies.LoraWeightCopies, "_why_not", lambda self, d: "off: the test's control")
+            patch_model(model, fused_lora=False, log=False)
+            _step(model, batch)  # the first forward installs the factored forwards
+            with Ops() as ops:
+                out, grads = _step(model, batch)
+            adapters = _adapters(model)
+            runs[copies] = (out, grads, ops.counts, adapters.copies.to_dict(), len(adapters.installed))
+            unpatch_model(model)
+    (ref, ref_grads, before, off, modules), (out, grads, after, on, _) = runs[False], runs[True]
+    assert off["state"] == "off: the test's control" and on["state"] == "on" and on["layers"] == 2 * modules > 0
+    assert torch.equal(out.loss, ref.loss) and torch.equal(out.aux_loss, ref.aux_loss)
+    assert set(grads) == set(ref_grads) and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    assert all(g.dtype == torch.float32 for n, g in grads.items() if "lora_" in n)
+    wrappers = 2 * modules  # gate_up_proj and down_proj
+    assert before["_to_copy"] - after["_to_copy"] >= 4 * wrappers  # A and B cast, forward and backward
+    assert before["mul"] - after["mul"] >= 2 * wrappers  # the [rows, rank] scale, forward and backward

@@ -199,7 +199,9 @@ def _project(x: torch.Tensor, module: nn.Module, name: str, offsets: torch.Tenso
 
 
 def _low_rank(x: torch.Tensor, lora: ExpertLora, offsets: torch.Tensor) -> torch.Tensor:
-    low = grouped_mm(x, lora.a, offsets) * lora.scaling  # (S, rank): scaled where it is narrow
+    low = grouped_mm(x, lora.a, offsets)
+    if lora.scaling != 1:
+        low = low * lora.scaling  # (S, rank): scaled where it is narrow (1: folded into B already)
     return grouped_mm(low, lora.b, offsets)
 
 

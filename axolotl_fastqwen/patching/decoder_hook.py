@@ -93,7 +93,7 @@ class DecoderPreHook:
     def _lora_input_cast(self) -> None:
         self.lora_cast.update(self.report.kernels.device.type)
         if self.expert_adapters is not None:
-            self.expert_adapters.update()
+            self.expert_adapters.update(self.report.kernels.device.type)
         if self.fused_lora is not None:
             self.fused_lora.update(self.report.kernels.device.type)
         fused = self.fused_lora.fused_layers(self.lora_cast.layers) if self.fused_lora is not None else 0

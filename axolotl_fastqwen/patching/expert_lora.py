@@ -22,6 +22,7 @@ from torch import nn
 from ..layers.experts_implementation import EXPERT_WEIGHTS, experts_implementation, is_experts
 from ..layers.forward_slot import forward_attr
 from ..layers.grouped_experts import GROUPED, RANK_MULTIPLE, ExpertLora, compute_dtype, grouped_experts_forward, supports
+from .lora_weight_copies import LoraWeightCopies
 
 
 def _param_wrapper_class():
@@ -62,26 +63,32 @@ def _adapter(chain: dict[str, nn.Module]) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-def factored(wrapper: nn.Module, adapter: str, dtype: torch.dtype) -> ExpertLora:
+def factored(wrapper: nn.Module, adapter: str, dtype: torch.dtype, copies=None) -> ExpertLora:
     """peft's factors of one wrapper, laid out for grouped GEMMs (peft's layout: lora_A (E·r, in)
     rows expert-major, lora_B (out, r·E) columns rank-major; see `ParamWrapper.get_delta_weight`),
-    cast to the weight's dtype as peft's merge does; the rank padded with zeros to RANK_MULTIPLE."""
+    cast to the weight's dtype as peft's merge does; the rank padded with zeros to RANK_MULTIPLE.
+    `copies`: `(A, s·B)` already cast for this forward (`lora_weight_copies.py`): the scaling is in B."""
     experts, rank = wrapper.num_experts, wrapper.r[adapter]
-    a = wrapper.lora_A[adapter].weight.to(dtype)
-    b = wrapper.lora_B[adapter].weight.to(dtype)
+    if copies is not None:
+        (a, b), scaling = copies, 1.0
+    else:
+        a, b = wrapper.lora_A[adapter].weight.to(dtype), wrapper.lora_B[adapter].weight.to(dtype)
+        scaling = float(wrapper.scaling[adapter])
     a = a.view(experts, rank, a.shape[-1]).transpose(1, 2)  # (E, in, r)
     b = b.view(b.shape[0], rank, experts).permute(2, 1, 0).contiguous()  # (E, r, out)
     pad = -rank % RANK_MULTIPLE
     if pad:
         a, b = F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
-    return ExpertLora(a, b, float(wrapper.scaling[adapter]))
+    return ExpertLora(a, b, scaling)
 
 
 class FactoredExpertsForward:
     """The outermost wrapper's instance forward: factored when it can be, peft's otherwise."""
 
-    def __init__(self, outer: nn.Module, chain: dict[str, nn.Module], experts: nn.Module, attr: str = "forward"):
+    def __init__(self, outer: nn.Module, chain: dict[str, nn.Module], experts: nn.Module, attr: str = "forward",
+                 copies: LoraWeightCopies | None = None):
         self.outer, self.chain, self.experts, self.attr = outer, chain, experts, attr
+        self.copies = copies if copies is not None else LoraWeightCopies(needs_autocast=False)
         # an instance forward there before (accelerate's `_old_forward`), else None: the class's forward,
         # looked up per call (peft's, or what an integration patched into the class: Axolotl's ScatterMoE)
         self.original = outer.__dict__.get(attr)
@@ -110,7 +117,9 @@ class FactoredExpertsForward:
             return out if shared is None else out + torch.sigmoid(shared.gate) * shared.output
         kwargs.pop("adapter_names", None)
         dtype = compute_dtype(self.experts)
-        lora = {name: factored(wrapper, adapter, dtype) for name, wrapper in self.chain.items()}
+        lora = {name: factored(wrapper, adapter, dtype, self.copies.get(
+                    wrapper, adapter, dtype, wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight))
+                for name, wrapper in self.chain.items()}
         self.calls += 1
         return grouped_experts_forward(self.experts, x, *args, lora=lora, **kwargs)
 
@@ -129,16 +138,25 @@ class ExpertAdapters:
     def __init__(self, model: nn.Module):
         self.model = model
         self.installed: list[FactoredExpertsForward] | None = None
+        self.copies = LoraWeightCopies(needs_autocast=False)  # the factors cast once a forward
 
-    def update(self) -> None:
-        if self.installed is not None:
-            return
-        self.installed = []
-        for outer, chain, experts in wrapper_chains(self.model):
-            attr = forward_attr(outer)  # beneath accelerate's dispatch hook
-            forward = FactoredExpertsForward(outer, chain, experts, attr)
-            setattr(outer, attr, forward)
-            self.installed.append(forward)
+    def update(self, device_type: str | None = None) -> None:
+        if self.installed is None:
+            self.installed = []
+            for outer, chain, experts in wrapper_chains(self.model):
+                attr = forward_attr(outer)  # beneath accelerate's dispatch hook
+                forward = FactoredExpertsForward(outer, chain, experts, attr, self.copies)
+                setattr(outer, attr, forward)
+                self.installed.append(forward)
+        if device_type is not None and self.installed:
+            entries = []
+            for forward in self.installed:
+                adapter = forward._factored_adapter({})
+                if adapter is not None:
+                    dtype = compute_dtype(forward.experts)
+                    entries += [(w, adapter, w.lora_A[adapter].weight, w.lora_B[adapter].weight, w.scaling[adapter],
+                                 dtype) for w in forward.chain.values()]
+            self.copies.refresh(entries, device_type)
 
     def restore(self) -> None:
         for forward in self.installed or []:
@@ -148,11 +166,14 @@ class ExpertAdapters:
                 else:
                     setattr(forward.outer, forward.attr, forward.original)
         self.installed = None
+        self.copies = LoraWeightCopies(needs_autocast=False)
 
     def describe(self) -> str | None:
         """For the report, once a forward ran factored."""
         if not self.installed or not any(f.calls for f in self.installed):
             return None
         params = sorted({name for f in self.installed for name in f.chain})
+        cast = ("; its factors cast to the experts' dtype once a forward, s·B folded (lora_weight_copies.py)"
+                if self.copies.state == "on" else "")
         return (f"peft LoRA on {len(self.installed)} experts modules ({', '.join(params)}) runs factored through "
-                f"the rank in {GROUPED} (no merged expert stack per forward, no stack-sized gradient)")
+                f"the rank in {GROUPED} (no merged expert stack per forward, no stack-sized gradient){cast}")

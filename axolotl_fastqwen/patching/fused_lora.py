@@ -61,8 +61,11 @@ class FusedLoraForward:
             self.counts[why] += 1
             return self.original(x, *args, **kwargs)
         self.counts["fused"] += 1
-        autocast = torch.is_autocast_enabled(x.device.type)
-        copies = self.copies.get(self.module, adapter, torch.get_autocast_dtype(x.device.type)) if autocast else None
+        copies = None
+        if torch.is_autocast_enabled(x.device.type):
+            m = self.module
+            copies = self.copies.get(m, adapter, torch.get_autocast_dtype(x.device.type), m.lora_A[adapter].weight,
+                                     m.lora_B[adapter].weight)
         return add_adapter(self.module, adapter, x, copies)
 
     def _plain(self, x, args, kwargs) -> tuple[str | None, str | None]:
@@ -144,8 +147,15 @@ class FusedLora:
             inside = {id(m) for d in self.decoders for m in d.modules()}
             self.decoder_layers = [m for m in self.layers if id(m) in inside]
         if device_type is not None:
-            pairs = [(m, adapter) for m in self.decoder_layers for adapter in [plain_case(m)[0]] if adapter is not None]
-            self.copies.refresh(pairs, device_type)
+            entries = []
+            if torch.is_autocast_enabled(device_type):
+                dtype = torch.get_autocast_dtype(device_type)
+                for m in self.decoder_layers:
+                    adapter = plain_case(m)[0]
+                    if adapter is not None and not _hooked(m.lora_A[adapter]):
+                        entries.append((m, adapter, m.lora_A[adapter].weight, m.lora_B[adapter].weight,
+                                        m.scaling[adapter], dtype))
+            self.copies.refresh(entries, device_type)
 
     def restore(self) -> None:
         for module in self.layers or []:
@@ -164,3 +174,10 @@ class FusedLora:
         return {"layers": len(self.layers or []), "fused_calls": self.counts["fused"],
                 "peft_calls": {why: n for why, n in self.counts.most_common() if why != "fused"},
                 "weight_copies": self.copies.to_dict()}
+
+
+def _hooked(lora_a: nn.Module) -> bool:
+    """Hooks on `lora_A` run only when it is called: a layer with any multiplies its own weight (the
+    copy would skip the call)."""
+    return bool(lora_a._forward_hooks or lora_a._forward_pre_hooks or hasattr(lora_a, "_hf_hook")
+                or "forward" in lora_a.__dict__)

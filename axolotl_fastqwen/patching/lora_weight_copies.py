@@ -32,14 +32,15 @@ from torch import nn
 
 
 class CastForCompute(torch.autograd.Function):
-    """`(w_1 · s_1, ..., w_n · s_n)` in `dtype`, forward and backward in multi-tensor kernels."""
+    """`(w_1 · s_1, ..., w_n · s_n)` in `dtypes` (one, or one a weight), forward and backward in
+    multi-tensor kernels."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, scales: tuple[float, ...], *weights: torch.Tensor):
+    def forward(ctx, dtypes, scales: tuple[float, ...], *weights: torch.Tensor):
         ctx.scales = scales
         ctx.dtypes = [w.dtype for w in weights]  # the gradients go back in the weights' own dtypes
         ctx.set_materialize_grads(False)  # a layer that did not run sends None: nothing to cast
-        return tuple(cast_scaled(list(weights), scales, dtype, stacked=True))
+        return tuple(cast_scaled(list(weights), scales, dtypes, stacked=True))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -91,18 +92,24 @@ NO_GRADIENTS = "not a training forward (no gradients)"
 
 
 class LoraWeightCopies:
-    """Per training forward: the compute-dtype copies of the decoder's plain fused LoRA layers."""
+    """Per training forward: compute-dtype copies of LoRA factors, `(A, s·B)` under a module's id.
 
-    def __init__(self):
+    `needs_autocast`: peft's LoRA `Linear`s compute in autocast's dtype, so without autocast nothing is
+    cast; the factored expert LoRA casts to the experts' weight dtype (grouped GEMMs are not autocast
+    ops), autocast or not."""
+
+    def __init__(self, needs_autocast: bool = True):
+        self.needs_autocast = needs_autocast
         self.copies: dict[int, tuple[str, torch.Tensor, torch.Tensor, int, int]] = {}
-        self.state = "not yet decided (first training forward under autocast)"
+        self.state = "not yet decided (first training forward)"
         self.layers = 0
         self.bytes = 0
         self.forwards = 0
 
-    def refresh(self, layers: list[tuple[nn.Module, str]], device_type: str) -> None:
-        """Cast the copies for this forward of the `(layer, adapter)` pairs the fused forward computes
-        (or drop them all, and say why)."""
+    def refresh(self, entries: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, float, torch.dtype]],
+                device_type: str) -> None:
+        """Cast the copies for this forward: `(module, adapter, A, B, scaling, dtype)` each, `A` and `s·B`
+        in `dtype` (or drop them all, and say why)."""
         why = self._why_not(device_type)
         if why == NO_GRADIENTS:  # an eval forward: the last training forward's copies and verdict stay
             return
@@ -110,26 +117,19 @@ class LoraWeightCopies:
         if why is not None:
             self.state = why
             return
-        dtype = torch.get_autocast_dtype(device_type)
-        chosen, weights, scales = [], [], []
-        for module, adapter in layers:
-            if _hooked(module.lora_A[adapter]):
-                continue
-            a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-            if a.dtype == dtype and b.dtype == dtype:
-                continue  # already in the compute dtype: autocast casts nothing
-            chosen.append((module, adapter, a, b))
-            weights += [a, b]
-            scales += [1.0, float(module.scaling[adapter])]
+        chosen = [e for e in entries if not (e[2].dtype == e[5] and e[3].dtype == e[5])]  # else nothing is cast
         if not chosen:
-            self.state = "unused: every fused layer's adapters are in the autocast dtype already"
+            self.state = "unused: every adapter is in its compute dtype already"
             return
+        weights = [w for _, _, a, b, _, _ in chosen for w in (a, b)]
+        scales = tuple(s for *_, scaling, _ in chosen for s in (1.0, float(scaling)))
+        dtypes = tuple(d for *_, dtype in chosen for d in (dtype, dtype))
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-            cast = CastForCompute.apply(dtype, tuple(scales), *weights)
+            cast = CastForCompute.apply(dtypes, scales, *weights)
         else:
             with torch.no_grad():
-                cast = cast_scaled(weights, scales, dtype, stacked=True)
-        for k, (module, adapter, a, b) in enumerate(chosen):
+                cast = cast_scaled(weights, scales, list(dtypes), stacked=True)
+        for k, (module, adapter, a, b, _, _) in enumerate(chosen):
             self.copies[id(module)] = (adapter, cast[2 * k], cast[2 * k + 1], a._version, b._version)
         self.layers = len(chosen)
         self.bytes = sum(t.numel() * t.element_size() for t in cast)
@@ -139,7 +139,7 @@ class LoraWeightCopies:
     def _why_not(self, device_type: str) -> str | None:
         if torch.compiler.is_compiling():
             return "off: under torch.compile (the compiled graph fuses the casts)"
-        if not torch.is_autocast_enabled(device_type):
+        if self.needs_autocast and not torch.is_autocast_enabled(device_type):
             return "unused: no autocast (the adapters run in their own dtype, nothing is cast)"
         if not torch.is_grad_enabled():
             return NO_GRADIENTS
@@ -149,20 +149,15 @@ class LoraWeightCopies:
                     "would all come at the end of the backward)")
         return None
 
-    def get(self, module: nn.Module, adapter: str, dtype: torch.dtype):
-        """`(A, s·B)` for this call, or None: no copy, another adapter or dtype, or weights changed since."""
+    def get(self, module: nn.Module, adapter: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor):
+        """`(A, s·B)` for this call of `module` with factors `a`, `b`, or None: no copy, another adapter or
+        dtype, or the factors changed since (their version counters: the optimizer's step)."""
         entry = self.copies.get(id(module))
         if entry is None or entry[0] != adapter or entry[1].dtype != dtype:
             return None
-        if module.lora_A[adapter].weight._version != entry[3] or module.lora_B[adapter].weight._version != entry[4]:
+        if a._version != entry[3] or b._version != entry[4]:
             return None
         return entry[1], entry[2]
 
     def to_dict(self) -> dict:
         return {"state": self.state, "layers": self.layers, "bytes": self.bytes, "forwards": self.forwards}
-
-
-def _hooked(lora_a: nn.Module) -> bool:
-    """Hooks on `lora_A` run only when it is called: a layer with any keeps the per-layer cast."""
-    return bool(lora_a._forward_hooks or lora_a._forward_pre_hooks or hasattr(lora_a, "_hf_hook")
-                or "forward" in lora_a.__dict__)
