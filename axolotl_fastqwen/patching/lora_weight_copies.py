@@ -1,4 +1,6 @@
-"""The fused LoRA layers' adapter weights in the compute dtype: cast once a forward, all together.
+"""LoRA factors in the compute dtype, cast once a forward, all together: the fused LoRA layers'
+(`fused_lora.py`) and the factored expert LoRA's (`expert_lora.py`, each wrapper's `A` and `s·B` cast
+to the experts' weight dtype, where each call cast both and scaled the `[rows, rank]` product).
 
 peft keeps adapters in fp32 (`autocast_adapter_dtype=True`) and the Trainer runs under bf16 autocast,
 so every adapted layer, in every forward and every recompute, casts `lora_A` and `lora_B` to bf16
