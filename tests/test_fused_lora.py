@@ -10,7 +10,6 @@ gradients); under bf16 autocast, no farther from the fp32 run than peft's own bf
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.patching import fp8_weights, lora_weight_copies
 from axolotl_fastqwen.patching.fused_lora import KEY, add_adapter
+from op_count import OpCount
 from test_lean_activations import lora_model
 from test_patching import packed_batch, sequences
 
@@ -192,29 +192,6 @@ def test_fp8_and_fused_lora_compose(monkeypatch):
 
 # ---- the adapters cast once a forward (`patching/lora_weight_copies.py`) ------------------------------
 
-class _OpCount:
-    """Counts the aten ops a region dispatches (each a kernel launch on a GPU)."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counts = self.counts = Counter()
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counts[func.overloadpacket.__name__] += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-
-
 def _bf16_model(family="qwen3_5", gc=None, alpha=8):
     """peft's defaults under the Trainer's `bf16: true`: the base in bf16, the adapters in fp32."""
     from peft import LoraConfig, get_peft_model
@@ -239,7 +216,7 @@ def _autocast_step(model, batch, copies: bool, monkeypatch, count: bool = False)
             m.setattr(lora_weight_copies.LoraWeightCopies, "_why_not", lambda self, device_type: "off: the test's control")
         report = patch_model(model, fused_cross_entropy=False, log=False)
         model.zero_grad(set_to_none=True)
-        counter = _OpCount() if count else contextlib.nullcontext()
+        counter = OpCount() if count else contextlib.nullcontext()
         with torch.autocast("cpu", dtype=torch.bfloat16), counter:
             loss = model(**batch).loss
             loss.backward()

@@ -322,20 +322,8 @@ def test_expert_lora_factors_cast_once_a_forward_give_the_per_call_casts_bits(fa
     (`patching/lora_weight_copies.py`), where each call cast them and scaled the `[rows, rank]` product.
     lora_alpha = 2r: the loss, the auxiliary loss and every gradient are the per-call casts' bit for bit,
     and the casts and the scale's multiplies are gone from each call."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from axolotl_fastqwen.patching import lora_weight_copies
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.counts[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+    from op_count import OpCount
 
     batch = _batch(build_tiny_model(family).config.vocab_size)
     runs = {}
@@ -349,7 +337,7 @@ def test_expert_lora_factors_cast_once_a_forward_give_the_per_call_casts_bits(fa
                 m.setattr(lora_weight_copies.LoraWeightCopies, "_why_not", lambda self, d: "off: the test's control")
             patch_model(model, fused_lora=False, log=False)
             _step(model, batch)  # the first forward installs the factored forwards
-            with Ops() as ops:
+            with OpCount() as ops:
                 out, grads = _step(model, batch)
             adapters = _adapters(model)
             runs[copies] = (out, grads, ops.counts, adapters.copies.to_dict(), len(adapters.installed))
