@@ -31,6 +31,10 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
             rejected = experts.get("rejected") or []
             lines.append(f"  {'':<22} {'':<16} self-check: {experts['selfcheck']}"
                          + ("; not: " + "; ".join(rejected) if rejected else ""))
+        if experts.get("stacks"):
+            lines.append(f"  {'':<22} {'':<16} stacks: {experts['stacks']}")
+        if experts.get("not_grouped"):
+            lines.append(f"  {'':<22} {'':<16} {experts['not_grouped']}")
         if experts.get("routed_rows"):
             lines.append(f"  {'':<22} {'':<16} routed rows: {experts['routed_rows']}")
         if experts.get("shared_expert"):

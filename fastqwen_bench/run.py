@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from axolotl_fastqwen.memory.checkpoint_fitter import DEFAULT_CHECKPOINTING_MEMORY, FIT_STEPS, CheckpointFitter, memory_of
-from fastqwen_bench import data, measure
+from fastqwen_bench import data, host_profile, measure
 from fastqwen_bench.measure import TRITON
 from fastqwen_bench.paths import (CHECKPOINTING_AUTO, LETTERS, PATHS, QUANTIZED, REFERENCE_PATHS, PathSkipped, installed,
                                   parse_paths)
@@ -97,6 +97,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="wall-clock budget of the whole run from its start: each path gets at most an equal share "
                    "of what is left (and --max-path-seconds); a path that cannot start in time is skipped and "
                    "recorded. Set it under the machine's per-command limit so the run ends on its own")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="after each path's timed steps, run STEPS more on the same rows under pyinstrument: the "
+                        "host's time by package and function (host_<path>.txt; bench.json `host_profile`)")
     p.add_argument("--no-oom-retry", dest="oom_retry", action="store_false",
                    help="padded paths: do not retry with half the micro batch after an out-of-memory")
     return p
@@ -429,6 +432,14 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         counters2 = (TRITON.snapshot(), measure.dynamo_snapshot())
         retries2 = memory.retries() if memory is not None else None
         compiled_after = TRITON.compiled[compiled1:compiled1 + 20]
+        if getattr(args, "host_profile", 0) and record["rows"]["timed"]:
+            why = host_profile.available()
+            if why is None:
+                rows = (record["rows"]["timed"] * args.host_profile)[:args.host_profile]
+                record["host_profile"] = host_profile.profile_steps(step, rows, getattr(args, "out", None), name)
+                log(f"[{name}] {host_profile.describe(record['host_profile'])}")
+            else:
+                record["notes"].append(f"--host-profile: {why}")
     if "patch_report" in info:
         record["patch_report"] = info["patch_report"]
     if "stats" in info:
@@ -670,6 +681,9 @@ def markdown(result: dict) -> str:
             steps = "; ".join(f"after step {d['step']}: keep {d['kept_layers']} ({d['why']}, peak {d['peak_gib']} GiB)"
                               for d in r["checkpointing"]["decisions"])
             lines += ["", f"{r['name']}: fastqwen_checkpointing: auto: {r['checkpointing']['summary']}; steps: {steps}"]
+    for r in result["paths"]:
+        if r.get("host_profile"):
+            lines += ["", f"{r['name']}: {host_profile.describe(r['host_profile'])}"]
     for r in result["paths"]:
         pauses = r.get("gc_per_step")
         if pauses:

@@ -222,3 +222,27 @@ def test_what_a_cpu_user_gets_for_a_gpu_only_key(keys, message, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     out = fails("train", str(path), "--launcher", "python")
     assert message in out, out[-3000:]
+
+
+@pytest.mark.parametrize("expert_lora", [False, True], ids=["example", "with-lora_target_parameters"])
+def test_the_moe_qlora_example_trains_its_4bit_experts_on_the_plugins_experts(expert_lora, tmp_path):
+    """`quantize_moe_experts: true` as on a GPU: the routed experts' stacks in 4 bits (the test plugin
+    `quantized_experts_on_cpu.py` quantizes them as Axolotl's loader does on a GPU). With the line they run
+    the plugin's `fastqwen_grouped`, the shared expert in its sum, and with `lora_target_parameters` peft's
+    expert LoRA factored; before, such stacks silently kept transformers' experts. (Exactness against
+    transformers on the same 4-bit base: tests/test_quantized_experts.py.)"""
+    extra = {"lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if expert_lora else {}
+    path, changed = with_the_line("35b-a3b-moe-qlora.yaml", tmp_path, **extra)
+    assert "quantize_moe_experts" in changed  # needs CUDA at load; the test plugin does its work instead
+    cfg = yaml.safe_load(path.read_text())
+    cfg["plugins"] = ["quantized_experts_on_cpu.QuantizedExpertsOnCpu", *cfg["plugins"]]
+    path.write_text(yaml.safe_dump(cfg))
+    log = train(path, env_extra={"PYTHONPATH": str(Path(__file__).resolve().parent)})
+    experts = report(tmp_path / "out")["kernels"]["experts"]
+    assert experts["implementation"] == "fastqwen_grouped", experts
+    assert experts["stacks"].startswith("gate_up_proj and down_proj stored as bitsandbytes 4-bit nf4"), experts
+    assert "added in the routed rows' sum" in experts["shared_expert"]
+    notes = report(tmp_path / "out")["kernels"]["notes"]
+    assert any("runs factored" in n for n in notes) is expert_lora, notes
+    losses = train_losses(log)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses

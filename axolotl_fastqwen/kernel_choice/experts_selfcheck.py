@@ -25,9 +25,11 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..layers.experts_implementation import experts_implementation, experts_modules, set_experts_implementation
+from ..layers.experts_implementation import (EXPERT_WEIGHTS, experts_class, experts_implementation, experts_modules,
+                                              set_experts_implementation)
 from ..layers.grouped_experts import (ROUTED_KERNELS_ATTR, GROUPED, ExpertLora, SharedExpert, fp8_experts,
                                       grouped_experts_forward, register, routed_kernels)
+from ..layers.quantized_stacks import dequantized, describe_unreadable, stack_meta
 from .selfcheck import TOLERANCE, rel_err
 
 LOG = logging.getLogger("axolotl_fastqwen")
@@ -56,6 +58,13 @@ class ExpertsCheck:
                 "rejected": [f"{name}: {why}" for name, why in self.rejected]}
 
 
+def _stack_shape(module: nn.Module, name: str) -> torch.Size:
+    meta = stack_meta(module, name)
+    if meta is None:
+        raise CheckSetupError(describe_unreadable(module, name) or f"no {name} tensor")
+    return meta.shape
+
+
 def _dispatched(module: nn.Module) -> bool:
     """A transformers experts class whose forward goes through its ExpertsInterface."""
     forward = type(module).forward
@@ -66,19 +75,29 @@ def check_module(module: nn.Module, implementation: str, dtype: torch.dtype, dev
                  experts: int = CHECK_EXPERTS, kernels: str | None = None) -> nn.Module:
     """A module of `module`'s class holding copies of its first `experts` experts, in `dtype`, set
     to run `implementation` (its own config copy: the model's is not touched), with `fastqwen_grouped`'s
-    routed-row kernels pinned to `kernels` where given."""
+    routed-row kernels pinned to `kernels` where given. Stacks stored quantized (`quantized_stacks.py`) are
+    copied as their dequantized values, as an FP8 stack is: the check is of the implementation at the
+    model's shapes; the dequantizing GEMM's own math is held to the dequantized stack by the tests."""
     config = copy.copy(module.config)
     config.num_experts = experts
     config._experts_implementation = implementation
     with torch.device("meta"):
-        proxy = type(module)(config)
+        proxy = experts_class(module)(config)
     proxy.config = config  # `use_experts_implementation` keeps the config it was built with
     if kernels is not None:
         proxy.__dict__[ROUTED_KERNELS_ATTR] = kernels
-    for name, weight in module.named_parameters(recurse=False):
-        if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
+    weights = dict(module.named_parameters(recurse=False))
+    weights.update({name: None for name in EXPERT_WEIGHTS if parametrize.is_parametrized(module, name)})
+    for name, weight in weights.items():
+        meta = stack_meta(module, name) if weight is None else None
+        if weight is None and meta is None:
+            raise CheckSetupError(describe_unreadable(module, name))
+        storage = weight if weight is not None else meta.storage
+        if type(storage).__name__ == "DTensor" or type(storage.data).__name__ == "DTensor":
             # FSDP2 shards: a copy would need a collective in the middle of the first forward
             raise CheckSetupError(f"{name} is sharded (DTensor)")
+        if weight is None:
+            weight = dequantized(module, name)
         fp8 = fp8_experts(module)
         stack = fp8.weight(module, name) if fp8 is not None else None
         if stack is not None:  # fastqwen_fp8's stack: its values (its own path is checked where it is decided)
@@ -95,7 +114,7 @@ def check_inputs(module: nn.Module, top_k: int, device: torch.device, tokens: in
                  experts: int = CHECK_EXPERTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hidden states, top-k expert indices (distinct per token) and their routing weights."""
     gen = torch.Generator(device="cpu").manual_seed(11)
-    hidden = torch.randn(tokens, module.gate_up_proj.shape[-1], generator=gen)
+    hidden = torch.randn(tokens, _stack_shape(module, "gate_up_proj")[-1], generator=gen)
     k = min(top_k, experts)
     index = torch.rand(tokens, experts, generator=gen).argsort(dim=-1)[:, :k]
     weights = torch.randn(tokens, k, generator=gen).softmax(dim=-1)
@@ -139,7 +158,7 @@ def compare(module: nn.Module, implementation: str, top_k: int, dtype: torch.dty
     as a sparse block passes them (`layers/moe_block.py`), against the block's own
     `eager + sigmoid(gate)·shared` in fp32, their gradients compared too."""
     device = next(module.parameters()).device
-    experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
+    experts = min(CHECK_EXPERTS, _stack_shape(module, "gate_up_proj")[0])
     hidden, index, weights = check_inputs(module, top_k, device, experts=experts)
     gen = torch.Generator(device="cpu").manual_seed(17)
     shared_term = (torch.randn(hidden.shape, generator=gen).to(device),
@@ -215,8 +234,10 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
                                             "class (no eager loop to compare with)")
     if implementation in (None, "eager"):
         return ExpertsCheck("eager", "the reference itself (transformers' loop over the experts)")
+    if stack_meta(module, "gate_up_proj") is None:
+        return ExpertsCheck(implementation, f"not self-checked: {describe_unreadable(module, 'gate_up_proj')}")
     top_k = int(getattr(module.config, "num_experts_per_tok", 1))
-    n_experts = min(CHECK_EXPERTS, module.gate_up_proj.shape[0])
+    n_experts = min(CHECK_EXPERTS, _stack_shape(module, "gate_up_proj")[0])
     routed = min(top_k, n_experts)
     tol = TOLERANCE.get(dtype, 2e-2)
     rejected: list[tuple[str, str]] = []
@@ -230,7 +251,7 @@ def selfcheck_experts(model: nn.Module, dtype: torch.dtype,
         if name == "eager":
             break
         if name == GROUPED:  # the check runs the row kernels the model's modules run now, then PyTorch's ops
-            current = routed_kernels(module, module.gate_up_proj)
+            current = routed_kernels(module, stack_meta(module, "gate_up_proj").storage)
             if kernels == current:
                 continue  # the first try already ran these
             kernels = kernels or current

@@ -14,15 +14,44 @@ from __future__ import annotations
 from collections import Counter
 
 from torch import nn
+from torch.nn.utils import parametrize
+
+from .quantized_stacks import describe_unreadable, stack_meta
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 def is_experts(module: nn.Module) -> bool:
     """A routed-experts module: 3-D stacked expert weights, whatever class holds them (peft's
-    `target_parameters` wrappers around one do not show its weights: it is counted once)."""
-    weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
-    return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
+    `target_parameters` wrappers around one do not show its weights: it is counted once), plain or stored
+    quantized behind a parametrization (`quantized_stacks.py`; any parametrization: an unknown one is
+    still an experts module, which the report then names)."""
+    for name in EXPERT_WEIGHTS:
+        if parametrize.is_parametrized(module, name):
+            meta = stack_meta(module, name)
+            if meta is not None and len(meta.shape) != 3:
+                return False
+        elif not (isinstance(getattr(module, name, None), nn.Parameter) and getattr(module, name).dim() == 3):
+            return False
+    return True
+
+
+def experts_class(module: nn.Module) -> type:
+    """The module's own class: torch's parametrize subclasses it as `Parametrized<Class>`."""
+    return parametrize.type_before_parametrizations(module)
+
+
+def stacks_note(module: nn.Module) -> str | None:
+    """How the stacks are stored, where not as plain tensors (the report's line)."""
+    metas = {name: stack_meta(module, name) for name in EXPERT_WEIGHTS}
+    unreadable = [describe_unreadable(module, name) or f"{name}: not a tensor" for name, m in metas.items() if m is None]
+    if unreadable:
+        return "; ".join(unreadable)
+    quantized = {name: m for name, m in metas.items() if m.quantization}
+    if not quantized:
+        return None
+    kinds = sorted({f"{m.quantization}, dequantized to {str(m.dtype).removeprefix('torch.')}" for m in quantized.values()})
+    return f"{' and '.join(quantized)} stored as {'; '.join(kinds)} (quantize_moe_experts)"
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -54,7 +83,7 @@ def registered_implementations() -> list[str] | None:
 
 
 def _runner(module: nn.Module, implementation: str | None) -> str:
-    cls = type(module)
+    cls = experts_class(module)
     where = f"{cls.__module__}.{cls.__qualname__}"
     dispatched = getattr(cls.forward, "__wrapped__", None) is not None and cls.__module__.startswith("transformers.")
     if not dispatched:
@@ -81,9 +110,12 @@ def describe_experts(model: nn.Module) -> dict | None:
     kinds = Counter()
     for module in found:
         impl = experts_implementation(module)
-        kinds[(type(module).__qualname__, impl, _runner(module, impl))] += 1
+        kinds[(experts_class(module).__qualname__, impl, _runner(module, impl))] += 1
     (cls, impl, runner), _ = kinds.most_common(1)[0]
     out = {"modules": len(found), "class": cls, "implementation": impl, "runner": runner}
+    stacks = stacks_note(found[0])
+    if stacks is not None:
+        out["stacks"] = stacks
     if len(kinds) > 1:
         out["by_module_kind"] = [{"modules": n, "class": c, "implementation": i, "runner": r}
                                  for (c, i, r), n in kinds.most_common()]

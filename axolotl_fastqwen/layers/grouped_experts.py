@@ -16,7 +16,9 @@ expert-LoRA rows, and the sparse block's gated shared expert where `layers/moe_b
 added in the same sum), else after one gather. Expert parallelism, biases and post-expert norms
 are not handled here: such modules run transformers' `grouped_mm` unchanged. With `fastqwen_fp8`,
 a frozen stack quantized by `patching/fp8_weights.py` runs its grouped GEMMs on FP8
-(`ops/fp8_grouped.py`); the module says so in its `Fp8Experts`.
+(`ops/fp8_grouped.py`); the module says so in its `Fp8Experts`. Stacks that Axolotl's
+`quantize_moe_experts` stored in 4 or 8 bits are dequantized for each grouped GEMM, forward and backward,
+and never kept (`quantized_stacks.py`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from ..ops.fp8_grouped import Fp8ExpertWeight, fp8_grouped_mm
 from ..ops.routed_combine import (routed_combine_torch, routed_combine_triton, shared_term_backward_torch,
                                   shared_term_backward_triton)
 from ..ops.routed_swiglu import routed_swiglu_triton
-from .experts_implementation import experts_implementation
+from .experts_implementation import EXPERT_WEIGHTS, experts_class, experts_implementation
 from .forward_slot import bound_forward
+from .quantized_stacks import describe_unreadable, frozen_quantized, frozen_stack_grouped_mm, stack_meta
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
 REPLACES = "grouped_mm"  # the implementation it stands in for (same math)
@@ -103,7 +106,7 @@ def fp8_experts(module: nn.Module) -> Fp8Experts | None:
 def compute_dtype(module: nn.Module) -> torch.dtype:
     """The dtype the routed rows and the expert LoRA run in: the stacks' own, or theirs before FP8."""
     fp8 = fp8_experts(module)
-    return fp8.dtype if fp8 is not None else module.gate_up_proj.dtype
+    return fp8.dtype if fp8 is not None else stack_meta(module, "gate_up_proj").dtype
 
 
 # "torch" where the experts self-check pinned a module's routed rows off the Triton kernels
@@ -137,25 +140,39 @@ def describe_routed_kernels(module: nn.Module) -> str:
     if module.__dict__.get(ROUTED_KERNELS_ATTR) == "torch":
         return (f"{ops} (pinned: the experts self-check pins them where the Triton kernels fail it; its line says "
                 "whether they did)")
-    if routed_kernels(module, module.gate_up_proj) == "torch":
-        device = module.gate_up_proj.device.type
+    storage = stack_meta(module, "gate_up_proj").storage
+    if routed_kernels(module, storage) == "torch":
+        device = storage.device.type
         return f"{ops} ({f'on {device}' if device != 'cuda' else 'Triton does not import'})"
     gate = ("silu(gate)·up·w in one kernel each way (ops/routed_swiglu.py)" if silu_gate(module) else
             f"the module's own _apply_gate and a multiply ({type(module).__qualname__} has another gate)")
     return f"triton: {gate}; each token's k rows summed in one kernel (ops/routed_combine.py)"
 
 
+def unsupported(module: nn.Module) -> str | None:
+    """Why the computation below is not exactly the module's own, or None: it needs a gated, bias-free
+    experts module holding all its experts (no expert parallelism: transformers 5.20 says so in
+    `_is_expert_parallel`, 5.17 has no flag, so the weights must hold every expert and not be sharded),
+    with stacks it can read (plain, or quantized as `quantized_stacks.py` knows). Reads no stack's value."""
+    metas = {}
+    for name in EXPERT_WEIGHTS:
+        metas[name] = stack_meta(module, name)
+        if metas[name] is None:
+            return describe_unreadable(module, name) or f"no {name} tensor"
+    if any("DTensor" in (type(m.storage).__name__, type(m.storage.data).__name__) for m in metas.values()):
+        return "its stacks are sharded (DTensor)"
+    if (not getattr(module, "has_gate", False) or getattr(module, "has_bias", True)
+            or getattr(module, "has_post_expert_norm", False)):
+        return "not a gated, bias-free experts module without a post-expert norm"
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert parallelism"
+    if not metas["gate_up_proj"].shape[0] == metas["down_proj"].shape[0] == getattr(module, "num_experts", -1):
+        return "its stacks do not hold every expert"
+    return None
+
+
 def supports(module: nn.Module) -> bool:
-    """A gated, bias-free experts module holding all its experts (no expert parallelism: transformers
-    5.20 says so in `_is_expert_parallel`, 5.17 has no flag, so the weights must hold every expert
-    and not be sharded): the computation below is exactly its own."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
-        return False
-    sharded = any("DTensor" in (type(w).__name__, type(w.data).__name__) for w in (gate_up, down))
-    return (bool(getattr(module, "has_gate", False)) and not getattr(module, "has_bias", True)
-            and not getattr(module, "has_post_expert_norm", False) and not getattr(module, "_is_expert_parallel", False)
-            and not sharded and gate_up.shape[0] == down.shape[0] == getattr(module, "num_experts", -1))
+    return unsupported(module) is None
 
 
 def _fused_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -190,6 +207,8 @@ def _project(x: torch.Tensor, module: nn.Module, name: str, offsets: torch.Tenso
     fp8_weight = fp8.weight(module, name) if fp8 is not None else None
     if fp8_weight is not None:
         out = fp8_grouped_mm(x, fp8_weight, offsets, groups, fp8.input_gradient)
+    elif frozen_quantized(module, name) is not None:
+        out = frozen_stack_grouped_mm(x, module, name, offsets, grouped_mm)
     else:
         weight = getattr(module, name)
         out = grouped_mm(x, weight if module.is_transposed else weight.transpose(-2, -1), offsets)
@@ -281,7 +300,7 @@ def takes_shared_expert(experts: nn.Module) -> bool:
     if forward is not None:
         says = getattr(forward, "takes_shared_expert", None)
         return bool(says is not None and says())
-    return (type(experts).__module__.startswith("transformers.") and experts_implementation(experts) == GROUPED
+    return (experts_class(experts).__module__.startswith("transformers.") and experts_implementation(experts) == GROUPED
             and supports(experts))
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from ..kernel_choice.fp8_decision import ShapeDecision, decide
 from ..layers import grouped_experts
 from ..layers.experts_implementation import EXPERT_WEIGHTS, experts_implementation, is_experts
+from ..layers.quantized_stacks import stack_meta
 from ..ops import fp8_grouped
 from ..ops.fp8_grouped import Fp8ExpertWeight
 from ..ops.fp8_linear import INPUT_GRADIENTS, MIN_CAPABILITY, Fp8Weight, InputCache, fp8_linear
@@ -76,12 +77,18 @@ def expert_candidates(decoders: list[nn.Module]) -> tuple[dict[str, tuple[nn.Mod
                 if implementation != grouped_experts.GROUPED or not grouped_experts.supports(module):
                     why = (f"the experts run {implementation!r}, not the plugin's {grouped_experts.GROUPED} "
                            "(only its grouped GEMMs have an FP8 path)")
+                elif any(stack_meta(module, name).quantization for name in EXPERT_WEIGHTS):
+                    why = (f"stored as {stack_meta(module, 'gate_up_proj').quantization} (quantize_moe_experts): FP8 "
+                           "would re-quantize quantized values")
                 elif getattr(module, "is_transposed", False):
                     why = "the stacks are stored transposed ([E, in, out]); FP8 takes [E, out, in]"
                 for name in EXPERT_WEIGHTS:
-                    stack = getattr(module, name)
                     qualified = f"layers.{index}.{path}.{name}"
-                    reason = why or ("trainable (not a frozen base)" if stack.requires_grad else None)
+                    if why is not None:
+                        refused.setdefault(_role(qualified), why)
+                        continue
+                    stack = getattr(module, name)
+                    reason = "trainable (not a frozen base)" if stack.requires_grad else None
                     if reason is None and (stack.shape[1] % ALIGN or stack.shape[2] % ALIGN):
                         reason = f"{tuple(stack.shape)}: FP8 grouped GEMMs need multiples of {ALIGN}"
                     if reason is None:

@@ -150,6 +150,14 @@ class PatchReport:
             experts["rejected"] = check.to_dict()["rejected"] if check is not None else []
             if experts["implementation"] == grouped_experts.GROUPED:
                 experts["routed_rows"] = grouped_experts.describe_routed_kernels(experts_modules(model)[0])
+                if "stacks" in experts:
+                    experts["stacks"] += ("; each dequantized for its grouped GEMM, in the forward and again in the "
+                                          "backward, none kept (layers/quantized_stacks.py)")
+            elif experts["implementation"] == grouped_experts.REPLACES:  # where the plugin would have run its own
+                why = next(filter(None, map(grouped_experts.unsupported, experts_modules(model))), None)
+                if why is not None:
+                    experts["not_grouped"] = (f"not {grouped_experts.GROUPED}: {why}; transformers' "
+                                              f"{grouped_experts.REPLACES} runs them")
             experts["shared_expert"] = (
                 f"its gated output added in the routed rows' sum ({self.moe_blocks} sparse blocks, layers/moe_block.py)"
                 if self.moe_blocks and experts["implementation"] == grouped_experts.GROUPED else

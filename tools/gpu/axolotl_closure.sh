@@ -76,27 +76,7 @@ done
 
 if [ "$SLIM_BNB" = 1 ]; then
   bnb=$(ls "$stage"/bitsandbytes-*.whl)
-  "$PY" - "$bnb" <<'EOF'
-import base64, hashlib, os, re, sys, zipfile
-src = sys.argv[1]
-keep = re.compile(r"bitsandbytes/libbitsandbytes_(cpu|cuda13\d)\.so$")
-tmp = src + ".slim"
-with zipfile.ZipFile(src) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
-    names = [n for n in zin.namelist() if not (n.startswith("bitsandbytes/libbitsandbytes_") and not keep.search(n))]
-    record_name = next(n for n in names if n.endswith(".dist-info/RECORD"))
-    rows = []
-    for n in names:
-        if n == record_name:
-            continue
-        data = zin.read(n)
-        zout.writestr(zin.getinfo(n), data)
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        rows.append(f"{n},sha256={digest},{len(data)}")
-    rows.append(f"{record_name},,")
-    zout.writestr(record_name, "\n".join(rows) + "\n")
-os.replace(tmp, src)
-print("slimmed", os.path.basename(src), os.path.getsize(src), "bytes")
-EOF
+  "$PY" tools/gpu/slim_bnb.py "$bnb"
 fi
 
 # parts: largest first, first fit into PART_MIB parts; wheels sharing a top-level folder (axolotl +
