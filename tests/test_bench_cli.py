@@ -724,3 +724,19 @@ def test_a_step_s_garbage_collections_are_timed_and_counted():
     _timed(lambda: torch.zeros(()), torch.device("cpu"), pauses)
     assert pauses[0]["ms"] > 0 and pauses[0]["collections"].get("gen2", 0) >= 1, pauses
     assert pauses[1]["collections"].get("gen2", 0) == 0, pauses
+
+
+def test_host_profile_says_where_the_host_spends_a_step(tmp_path):
+    """`--host-profile N`: N steps after the timed ones, on the timed rows, under pyinstrument: the sampled
+    time per step by package (the plugin's own code among them) and by function, the call tree beside the
+    outputs, a line in bench.md. The timed steps are the same rows as without it."""
+    pytest.importorskip("pyinstrument")
+    rc = bench_cli(["bench", *TINY, "--paths", "e", "--steps", "1", "--warmup", "0", "--host-profile", "2",
+                    "--out", str(tmp_path)])
+    e = _path(json.loads((tmp_path / "bench.json").read_text()), "fastqwen")
+    profile = e["host_profile"]
+    assert rc == 0 and e["rows"]["timed"] == [1] and profile["steps"] == 2 and profile["ms_per_step"] > 0
+    assert "axolotl_fastqwen" in profile["by_package_ms"] and "C functions" in profile["by_package_ms"]
+    assert abs(sum(profile["by_package_share"].values()) - 1) < 0.02  # self times add up to the sampled time
+    assert profile["top_self"] and (tmp_path / profile["tree"]).read_text().count("gated_deltanet_forward")
+    assert "fastqwen: host profile (pyinstrument, 2 steps" in (tmp_path / "bench.md").read_text()
