@@ -256,3 +256,32 @@ def test_the_experts_self_check_runs_on_4bit_stacks():
     assert check.implementation == grouped_experts.GROUPED and not check.rejected, check
     assert check.selfcheck.startswith("fwd+bwd rel. error"), check.selfcheck
     unpatch_model(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_4bit_experts_under_gradient_checkpointing(reentrant, monkeypatch):
+    """Recomputed layers run the dequantizing GEMMs again in the recompute (one dequantization more a stack
+    a step; without checkpointing two, less the first layer's gate_up in backward: nothing before the
+    first expert LoRA needs a gradient): the loss and the gradients of the run without checkpointing, bit for bit (the
+    same ops in the same order)."""
+    model = quantized_model("qwen3_5_moe", expert_lora=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 45), generator=torch.Generator().manual_seed(9))
+    calls = []
+    real = bnb_parametrize.Bnb4bitParametrization.forward
+    monkeypatch.setattr(bnb_parametrize.Bnb4bitParametrization, "forward", lambda self, q: calls.append(1) or real(self, q))
+    patch_model(model, log=False)
+    loss, grads = step(model, ids)
+    stacks = 2 * base_of(model).config.num_hidden_layers
+    plain = len(calls)
+    assert plain == 2 * stacks - 1
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+    calls.clear()
+    again, again_grads = step(model, ids)
+    # forward, recompute, backward: each stack three times (with checkpointing peft makes the embeddings'
+    # output require grad, so the first layer's gate_up takes its backward too)
+    assert len(calls) == 3 * stacks
+    assert again == loss and again_grads.keys() == grads.keys()
+    assert all(torch.equal(again_grads[n], grads[n]) for n in grads)
+    unpatch_model(model)
