@@ -145,7 +145,7 @@ def describe_routed_kernels(module: nn.Module) -> str:
         device = storage.device.type
         return f"{ops} ({f'on {device}' if device != 'cuda' else 'Triton does not import'})"
     gate = ("silu(gate)·up·w in one kernel each way (ops/routed_swiglu.py)" if silu_gate(module) else
-            f"the module's own _apply_gate and a multiply ({type(module).__qualname__} has another gate)")
+            f"the module's own _apply_gate and a multiply ({experts_class(module).__qualname__} has another gate)")
     return f"triton: {gate}; each token's k rows summed in one kernel (ops/routed_combine.py)"
 
 

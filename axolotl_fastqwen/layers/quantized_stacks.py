@@ -68,7 +68,7 @@ def stack_meta(module: nn.Module, name: str) -> StackMeta | None:
         if state is not None:  # 4-bit: a packed flat original; the state keeps the stack's shape and dtype
             shape, dtype = torch.Size(state.shape), state.dtype
             quantization = f"{quantization} {state.quant_type}"
-        else:  # int8: the original has the stack's shape; `int8_vectorwise_dequant` gives float32
+        else:  # int8: the original has the stack's shape; bitsandbytes' `int8_vectorwise_dequant` returns float32
             shape, dtype = original.shape, torch.float32
         proxies = rest
     elif _peft_proxy(first):
@@ -77,7 +77,7 @@ def stack_meta(module: nn.Module, name: str) -> StackMeta | None:
         return None
     if not all(_peft_proxy(p) for p in proxies):
         return None
-    return StackMeta(shape, dtype, original, quantization, bool(proxies) and _peft_proxy(chain[-1]))
+    return StackMeta(shape, dtype, original, quantization, bool(proxies))
 
 
 def describe_unreadable(module: nn.Module, name: str) -> str | None:
