@@ -44,17 +44,31 @@ def quantize_experts(model: nn.Module) -> None:
             bnb_parametrize.replace_parameter_4bit(module, name, quant_type="nf4", compress_statistics=True)
 
 
-def quantized_model(family: str, expert_lora: bool = False) -> nn.Module:
+def axolotls_peft_matching(monkeypatch) -> None:
+    """Axolotl's patch of peft for `target_parameters` on quantized stacks (its loader applies it with
+    `quantize_moe_experts`), undone after the test: it replaces peft methods for the whole process."""
+    moe_quant = pytest.importorskip("axolotl.monkeypatch.moe_quant")
+    from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.tuners_utils import BaseTuner
+
+    for cls, name in ((BaseTuner, "_inject_parameters"), (BaseTuner, "_check_target_module_exists"),
+                      (ParamWrapper, "_activate_lora"), (ParamWrapper, "_remove_parametrizations")):
+        monkeypatch.setattr(cls, name, getattr(cls, name))  # recorded: put back when the test ends
+    monkeypatch.setattr(moe_quant.patch_peft_target_parameters_matching, "_axolotl_patched", False, raising=False)
+    moe_quant.patch_peft_target_parameters_matching()
+
+
+def quantized_model(family: str, monkeypatch=None) -> nn.Module:
+    """The tiny model with 4-bit experts; with `monkeypatch`, also peft's LoRA on the attention and the
+    experts (Axolotl's matching patch in place for the test)."""
     model = build_tiny_model(family).train()
     quantize_experts(model)
-    if not expert_lora:
+    if monkeypatch is None:
         return model
     pytest.importorskip("peft")
-    moe_quant = pytest.importorskip("axolotl.monkeypatch.moe_quant")
     from peft import LoraConfig, get_peft_model
 
-    # peft alone does not find parametrized stacks: Axolotl's loader applies this with quantize_moe_experts
-    moe_quant.patch_peft_target_parameters_matching()
+    axolotls_peft_matching(monkeypatch)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     return get_peft_model(model, config)
@@ -73,8 +87,8 @@ def base_of(model: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize("expert_lora", [False, True], ids=["frozen-experts", "expert-lora"])
 @pytest.mark.parametrize("family", MOE)
-def test_4bit_experts_train_as_transformers_on_the_same_quantized_base(family, expert_lora):
-    model = quantized_model(family, expert_lora)
+def test_4bit_experts_train_as_transformers_on_the_same_quantized_base(family, expert_lora, monkeypatch):
+    model = quantized_model(family, monkeypatch if expert_lora else None)
     ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(3))
     base = base_of(model)
     before = grouped_experts.REPLACES
@@ -264,7 +278,7 @@ def test_4bit_experts_under_gradient_checkpointing(reentrant, monkeypatch):
     a step; without checkpointing two, less the first layer's gate_up in backward: nothing before the
     first expert LoRA needs a gradient): the loss and the gradients of the run without checkpointing, bit for bit (the
     same ops in the same order)."""
-    model = quantized_model("qwen3_5_moe", expert_lora=True)
+    model = quantized_model("qwen3_5_moe", monkeypatch)
     ids = torch.randint(0, model.config.vocab_size, (1, 45), generator=torch.Generator().manual_seed(9))
     calls = []
     real = bnb_parametrize.Bnb4bitParametrization.forward
@@ -285,3 +299,13 @@ def test_4bit_experts_under_gradient_checkpointing(reentrant, monkeypatch):
     assert again == loss and again_grads.keys() == grads.keys()
     assert all(torch.equal(again_grads[n], grads[n]) for n in grads)
     unpatch_model(model)
+
+
+def test_axolotls_peft_patch_is_undone_after_each_test():
+    """The tests above patch peft as Axolotl's loader does; the next test file sees peft's own methods."""
+    from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.tuners_utils import BaseTuner
+
+    for cls, name in ((BaseTuner, "_inject_parameters"), (BaseTuner, "_check_target_module_exists"),
+                      (ParamWrapper, "_activate_lora"), (ParamWrapper, "_remove_parametrizations")):
+        assert getattr(cls, name).__module__.startswith("peft."), (cls, name, getattr(cls, name).__module__)
