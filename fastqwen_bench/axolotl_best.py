@@ -40,7 +40,7 @@ import torch
 
 from axolotl_fastqwen.families.base import unwrap
 from axolotl_fastqwen import registry
-from fastqwen_bench import cpu_fla
+from fastqwen_bench import cpu_fla, quantized_base
 from fastqwen_bench.axolotl_import import axolotl_modules
 from fastqwen_bench.common import PathSkipped
 from fastqwen_bench.restore import Undo, changed_in_module, snapshot_module
@@ -176,6 +176,7 @@ def axolotl_best(model, family: str, device: torch.device, dtype: torch.dtype, *
         if "axolotl.utils.dict" not in mods:
             raise PathSkipped(f"Axolotl does not import here: {errors.get('axolotl.utils.dict')}")
         cfg = best_config(family, loss, gc=gc, base_model=checkpoint, moe=moe)
+        cfg.update(quantized_base.axolotl_keys(base, moe))  # a --qlora base: Axolotl's QLoRA code paths
         cfg.update(overrides or {})
         info["axolotl_config"] = {k: v for k, v in cfg.items() if k != "base_model"}
         info["axolotl_config"]["base_model"] = f"(a folder with the {registry.family(family).composite_config or 'text'} config)"

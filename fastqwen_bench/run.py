@@ -25,6 +25,7 @@ import torch
 from axolotl_fastqwen.memory.checkpoint_fitter import DEFAULT_CHECKPOINTING_MEMORY, FIT_STEPS, CheckpointFitter, memory_of
 from fastqwen_bench import data, host_profile, measure
 from fastqwen_bench.measure import TRITON
+from fastqwen_bench.quantized_base import quantize_base
 from fastqwen_bench.paths import (CHECKPOINTING_AUTO, LETTERS, PATHS, QUANTIZED, REFERENCE_PATHS, PathSkipped, installed,
                                   parse_paths)
 from fastqwen_bench.shapes import BENCH_SHAPES, DEFAULT_SHAPE, build_config, build_model, get_shape, init_weights_, linear_params
@@ -51,6 +52,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--full", dest="full", action="store_true", help="full fine-tune (AdamW on every weight)")
     p.set_defaults(full=False)
     p.add_argument("--gc", action="store_true", help="gradient checkpointing (non-reentrant)")
+    p.add_argument("--qlora", action="store_true",
+                   help="the base quantized as Axolotl's QLoRA MoE examples load it (load_in_4bit: every decoder "
+                        "linear a bitsandbytes Linear4bit; quantize_moe_experts: the expert stacks in 4 bits) before "
+                        "the adapters; every path trains it (axolotl-best with adapter: qlora). LoRA only")
     p.add_argument("--lora-experts", action="store_true",
                    help="MoE shapes: also LoRA on the routed experts' 3D weights (peft target_parameters "
                    "mlp.experts.gate_up_proj / down_proj)")
@@ -175,6 +180,10 @@ def prepare(args, steps_per_path: int) -> Setup:
         f"on {device} in {build_s:.1f} s")
     guard = fla_guard_decision(args, config, device, dtype)
     dense_linear = linear_params(model)
+    qlora = None
+    if getattr(args, "qlora", False):
+        qlora = quantize_base(model, dtype)
+        log(f"[setup] QLoRA base (load_in_4bit + quantize_moe_experts): {qlora}")
     lora_params = 0
     target_parameters = [] if args.full else lora_target_parameters(shape.family, args.lora_experts)
     if args.full:
@@ -184,6 +193,12 @@ def prepare(args, steps_per_path: int) -> Setup:
 
         for p in model.parameters():
             p.requires_grad_(False)
+        if qlora is not None and qlora["expert_stacks"]:
+            # peft alone mistakes a 4-bit stack's parametrization for a module named like a target and does not find
+            # the stacks for target_parameters: Axolotl's loader applies this whenever quantize_moe_experts is set
+            from axolotl.monkeypatch.moe_quant import patch_peft_target_parameters_matching
+
+            patch_peft_target_parameters_matching()
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=lora_targets(shape.family),
                           target_parameters=target_parameters or None)
         model = get_peft_model(model, lora)
@@ -217,6 +232,7 @@ def prepare(args, steps_per_path: int) -> Setup:
         "lora": None if args.full else {"r": 16, "alpha": 32, "targets": lora_targets(shape.family),
                                         "target_parameters": target_parameters},
         "gradient_checkpointing": bool(args.gc),
+        "qlora": qlora,
         "attn_implementation": config._attn_implementation,
         "fla_hopper_guard": guard,
         "autocast": autocast,
@@ -761,6 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     names = parse_paths(args.paths)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.qlora and args.full:
+        raise SystemExit("--qlora quantizes the frozen base for adapters: not with --full")
     start = time.time()
     start_perf = time.perf_counter()
     setup = prepare(args, steps_per_path=args.warmup + FIT_STEPS + 1 + args.steps)  # room for a fitting path

@@ -740,3 +740,43 @@ def test_host_profile_says_where_the_host_spends_a_step(tmp_path):
     assert abs(sum(profile["by_package_share"].values()) - 1) < 0.02  # self times add up to the sampled time
     assert profile["top_self"] and (tmp_path / profile["tree"]).read_text().count("gated_deltanet_forward")
     assert "fastqwen: host profile (pyinstrument, 2 steps" in (tmp_path / "bench.md").read_text()
+
+
+def test_qlora_base_every_path_trains_the_same_4bit_base(tmp_path):
+    """`--qlora`: the base quantized as Axolotl loads its QLoRA MoE examples (`load_in_4bit`: every decoder
+    linear a bitsandbytes Linear4bit; `quantize_moe_experts`: the expert stacks in 4 bits) before peft's
+    adapters (on the experts too, through Axolotl's peft matching patch, as its loader applies it). The
+    plugin's path runs its experts on the 4-bit stacks and agrees with stock transformers' eager experts on
+    the same base. A subprocess: Axolotl's peft patch is process-wide."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("axolotl.monkeypatch.moe_quant")
+    out = tmp_path / "q"
+    run = subprocess.run([sys.executable, "-m", "fastqwen_bench", "bench", "--model", "tiny-moe", "--device", "cpu",
+                          "--budget", "256", "--seed", "0", "--qlora", "--lora-experts", "--gc", "--paths", "s,h",
+                          "--steps", "1", "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    qlora = result["model"]["qlora"]
+    assert qlora["linears"] > 0 and qlora["expert_stacks"] == 2 * result["model"]["layers"]
+    assert qlora["weights_bytes_after"] < qlora["weights_bytes_before"] / 2
+    s, stock = _path(result, "fastqwen+ckpt-auto+lean"), _path(result, "stock-moe-eager")
+    assert s["status"] == "ok" and stock["status"].startswith("ok"), (s.get("error"), stock.get("error"))
+    experts = s["patch_report"]["experts"]
+    assert experts["implementation"] == "fastqwen_grouped" and "4-bit nf4" in experts["stacks"]
+    assert abs(s["calibration_loss"] - stock["calibration_loss"]) <= 1e-4 * abs(stock["calibration_loss"])
+    refused = subprocess.run([sys.executable, "-m", "fastqwen_bench", "bench", *TINY, "--qlora", "--full",
+                              "--out", str(tmp_path / "f")], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "--qlora quantizes the frozen base for adapters" in refused.stderr
+
+
+def test_a_quantized_base_gives_axolotl_best_its_qlora_keys():
+    """`axolotl-best` on a `--qlora` base runs Axolotl's QLoRA code paths (its LoRA kernels' 4-bit branch,
+    ScatterMoE's 4-bit experts): the keys Axolotl would have loaded that base with."""
+    pytest.importorskip("bitsandbytes")
+    from fastqwen_bench.quantized_base import axolotl_keys, quantize_base
+    from tiny_assets import build_tiny_model
+
+    model = build_tiny_model("qwen3_5_moe")
+    assert axolotl_keys(model, moe=True) == {}
+    quantize_base(model, torch.float32)
+    assert axolotl_keys(model, moe=True) == {"adapter": "qlora", "load_in_4bit": True, "quantize_moe_experts": True}
