@@ -15,6 +15,7 @@ import torch
 
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.memory.lean_activations import INPUT_NOT_SAVED, LeanActivationsError
+from saved_tensors import SavedTensors
 from test_patching import (  # noqa: E402  (shared helpers of the patching tests)
     FAMILIES, LORA_TARGETS, TOL, alone_loss_and_grads, assert_grads_close, grads, model_for, packed_batch, sequences,
 )
@@ -40,25 +41,6 @@ def keep(model, n):
     layers = layers_of(model)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i < len(layers) - n
-
-
-class SavedStorages:
-    """An outer saved-tensor hook: the storages autograd holds for backward (what lean leaves it)."""
-
-    def __init__(self):
-        self.storages: set[int] = set()
-
-    def __enter__(self):
-        def pack(t):
-            self.storages.add(t.untyped_storage().data_ptr())
-            return t
-
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self.ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
 
 
 def norm_outputs(model):
@@ -92,7 +74,7 @@ def step(model, batch, lean, *, keep_last=None):
         keep(model, keep_last)
     seen, handles = norm_outputs(model)
     model.zero_grad(set_to_none=True)
-    with SavedStorages() as saved:
+    with SavedTensors() as saved:
         loss = model(**batch, num_items_in_batch=torch.tensor(1)).loss
     held = {key for key, ptr in seen.items() if ptr in saved.storages}
     loss.backward()

@@ -23,6 +23,7 @@ from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.layers import grouped_experts
 from axolotl_fastqwen.layers.experts_implementation import experts_modules, set_experts_implementation
 from axolotl_fastqwen.transformers_functions import stock_torch_kernels
+from saved_tensors import SavedTensors
 from tiny_assets import build_tiny_model
 
 pytest.importorskip("transformers.integrations.moe")
@@ -119,24 +120,10 @@ def test_4bit_experts_train_as_transformers_on_the_same_quantized_base(family, e
         assert step(model, ids)[0] == pytest.approx(ref_loss, rel=TOL)
 
 
-class _Saved:
-    """Counts tensors autograd saves for backward that have a stack's shape (a dequantized stack)."""
-
-    def __init__(self, shapes):
-        # a stack or its transposed view (a grouped GEMM takes `[E, in, out]`)
-        self.shapes, self.stacks = {tuple(s) for s in shapes} | {(*s[:-2], s[-1], s[-2]) for s in shapes}, 0
-
-    def __enter__(self):
-        def pack(t):
-            self.stacks += tuple(t.shape) in self.shapes
-            return t
-
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
+def stacks_among(saved: list[tuple[int, ...]], stacks) -> int:
+    """How many saved tensors have a stack's shape or its transpose's (a grouped GEMM takes `[E, in, out]`)."""
+    shapes = {tuple(s) for s in stacks} | {(*s[:-2], s[-1], s[-2]) for s in stacks}
+    return sum(shape in shapes for shape in saved)
 
 
 def test_a_4bit_stack_is_dequantized_again_in_backward_not_kept(monkeypatch):
@@ -154,18 +141,18 @@ def test_a_4bit_stack_is_dequantized_again_in_backward_not_kept(monkeypatch):
     monkeypatch.setattr(bnb_parametrize.Bnb4bitParametrization, "forward",
                         lambda self, q: calls.append(id(self)) or real(self, q))
 
-    with _Saved(shapes) as stock:
+    with SavedTensors() as stock:
         experts(hidden, index, weights).sum().backward()
-    assert stock.stacks == 2
+    assert stacks_among(stock.shapes, shapes) == 2
 
     patch_model(model, log=False)
     assert grouped_experts.grouped_experts_forward.__name__ in grouped_experts.describe_routed_kernels.__globals__
     calls.clear()
-    with _Saved(shapes) as ours:
+    with SavedTensors() as ours:
         out = experts(hidden, index, weights)
         forward_calls = len(calls)
         out.sum().backward()
-    assert ours.stacks == 0
+    assert stacks_among(ours.shapes, shapes) == 0
     assert forward_calls == 2 and len(calls) == 4  # each stack: once in the forward, once in the backward
     unpatch_model(model)
 
