@@ -38,7 +38,7 @@ def quantize_base(model: nn.Module, compute_dtype: torch.dtype) -> dict:
                                       compute_dtype=compute_dtype, compress_statistics=DOUBLE_QUANT,
                                       quant_type=QUANT_TYPE, device="meta")
         device = linear.weight.device
-        quantized.weight = bnb.nn.Params4bit(linear.weight.data.cpu(), requires_grad=False, quant_type=QUANT_TYPE,
+        quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type=QUANT_TYPE,
                                              compress_statistics=DOUBLE_QUANT).to(device)  # quantized on its device
         if linear.bias is not None:
             quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
