@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from axolotl_fastqwen.layers.experts_implementation import EXPERT_WEIGHTS, experts_modules
+
 QUANT_TYPE = "nf4"  # Axolotl's default bnb_4bit_quant_type
 DOUBLE_QUANT = True  # Axolotl's default bnb_4bit_use_double_quant
-STACKS = ("gate_up_proj", "down_proj")
 
 
 def quantize_base(model: nn.Module, compute_dtype: torch.dtype) -> dict:
@@ -43,16 +44,14 @@ def quantize_base(model: nn.Module, compute_dtype: torch.dtype) -> dict:
         if linear.bias is not None:
             quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
         setattr(parent, child, quantized)
-    stacks = 0
-    for module in model.modules():
-        if all(isinstance(getattr(module, n, None), nn.Parameter) and getattr(module, n).dim() == 3 for n in STACKS):
-            for name in STACKS:
-                replace_parameter_4bit(module, name, compress_statistics=DOUBLE_QUANT, quant_type=QUANT_TYPE)
-                stacks += 1
+    experts = experts_modules(model)
+    for module in experts:
+        for name in EXPERT_WEIGHTS:
+            replace_parameter_4bit(module, name, compress_statistics=DOUBLE_QUANT, quant_type=QUANT_TYPE)
     if any(p.is_cuda for p in model.parameters()):
         torch.cuda.empty_cache()
     after = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"linears": len(linears), "expert_stacks": stacks, "quant_type": QUANT_TYPE, "double_quant": DOUBLE_QUANT,
+    return {"linears": len(linears), "expert_stacks": len(experts) * len(EXPERT_WEIGHTS), "quant_type": QUANT_TYPE, "double_quant": DOUBLE_QUANT,
             "weights_bytes_before": before, "weights_bytes_after": after}
 
 

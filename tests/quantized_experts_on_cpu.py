@@ -7,9 +7,8 @@ that an example trains here on 4-bit experts as it would there. Use it with `qua
 from __future__ import annotations
 
 from axolotl.integrations.base import BasePlugin
-from torch import nn
 
-STACKS = ("gate_up_proj", "down_proj")
+from axolotl_fastqwen.layers.experts_implementation import EXPERT_WEIGHTS, experts_modules
 
 
 class QuantizedExpertsOnCpu(BasePlugin):
@@ -18,7 +17,6 @@ class QuantizedExpertsOnCpu(BasePlugin):
 
         quant_type = cfg.bnb_4bit_quant_type or "nf4"
         double = (cfg.bnb_config_kwargs or {}).get("bnb_4bit_use_double_quant", True)
-        for module in model.modules():
-            if all(isinstance(getattr(module, n, None), nn.Parameter) and getattr(module, n).dim() == 3 for n in STACKS):
-                for name in STACKS:
-                    replace_parameter_4bit(module, name, compress_statistics=double, quant_type=quant_type)
+        for module in experts_modules(model):
+            for name in EXPERT_WEIGHTS:
+                replace_parameter_4bit(module, name, compress_statistics=double, quant_type=quant_type)

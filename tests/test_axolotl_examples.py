@@ -238,11 +238,11 @@ def test_the_moe_qlora_example_trains_its_4bit_experts_on_the_plugins_experts(ex
     cfg["plugins"] = ["quantized_experts_on_cpu.QuantizedExpertsOnCpu", *cfg["plugins"]]
     path.write_text(yaml.safe_dump(cfg))
     log = train(path, env_extra={"PYTHONPATH": str(Path(__file__).resolve().parent)})
-    experts = report(tmp_path / "out")["kernels"]["experts"]
+    kernels = report(tmp_path / "out")["kernels"]
+    experts, notes = kernels["experts"], kernels["notes"]
     assert experts["implementation"] == "fastqwen_grouped", experts
     assert experts["stacks"].startswith("gate_up_proj and down_proj stored as bitsandbytes 4-bit nf4"), experts
     assert "added in the routed rows' sum" in experts["shared_expert"]
-    notes = report(tmp_path / "out")["kernels"]["notes"]
     assert any("runs factored" in n for n in notes) is expert_lora, notes
     losses = train_losses(log)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses

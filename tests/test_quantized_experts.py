@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.layers import grouped_experts
-from axolotl_fastqwen.layers.experts_implementation import experts_modules, set_experts_implementation
+from axolotl_fastqwen.layers.experts_implementation import EXPERT_WEIGHTS, experts_modules, set_experts_implementation
 from axolotl_fastqwen.transformers_functions import stock_torch_kernels
 from saved_tensors import SavedTensors
 from tiny_assets import build_tiny_model
@@ -30,7 +30,6 @@ pytest.importorskip("transformers.integrations.moe")
 bnb_parametrize = pytest.importorskip("bitsandbytes.nn.parametrize")
 
 MOE = ["qwen3_5_moe", "qwen3_next"]
-STACKS = ("gate_up_proj", "down_proj")
 TOL = 1e-5
 
 
@@ -41,7 +40,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def quantize_experts(model: nn.Module) -> None:
     """What `quantize_moe_experts` with `load_in_4bit` leaves on each experts module."""
     for module in experts_modules(model):
-        for name in STACKS:
+        for name in EXPERT_WEIGHTS:
             bnb_parametrize.replace_parameter_4bit(module, name, quant_type="nf4", compress_statistics=True)
 
 
@@ -132,7 +131,7 @@ def test_a_4bit_stack_is_dequantized_again_in_backward_not_kept(monkeypatch):
     keeps neither, and dequantizes each stack once in the forward and once in the backward."""
     model = quantized_model("qwen3_5_moe")
     experts = experts_modules(model)[0]
-    shapes = [experts.parametrizations[n][0].quant_state.shape for n in STACKS]
+    shapes = [experts.parametrizations[n][0].quant_state.shape for n in EXPERT_WEIGHTS]
     hidden = torch.randn(29, model.config.hidden_size, generator=torch.Generator().manual_seed(5), requires_grad=True)
     index = torch.randint(0, experts.num_experts, (29, 2), generator=torch.Generator().manual_seed(6))
     weights = torch.rand(29, 2)
@@ -189,7 +188,7 @@ def test_axolotls_8bit_stacks_run_the_plugins_experts():
 
     model = build_tiny_model("qwen3_5_moe").train()
     for module in experts_modules(model):
-        for name in STACKS:
+        for name in EXPERT_WEIGHTS:
             stack = getattr(module, name).detach()
             data, stats, _ = bnbf.int8_vectorwise_quant(stack.reshape(-1, stack.shape[-1]).half())
             setattr(module, name, nn.Parameter(data.view(stack.shape), requires_grad=False))
