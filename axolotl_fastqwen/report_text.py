@@ -15,7 +15,8 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
     lines = [
         f"axolotl_fastqwen: {d['family']} ({d['model_class']}) on {d['device']}, kernels={d['mode']}: "
         f"{d['layers_patched']['gated_deltanet']} Gated DeltaNet + {d['layers_patched']['attention']} attention "
-        f"layers patched" + (f", {d['rms_norms_patched']} RMSNorms" if d.get("rms_norms_patched") else ""),
+        f"layers patched" + (f", {d['rms_norms_patched']} RMSNorms" if d.get("rms_norms_patched") else "")
+        + (f", {d['mlps_patched']} SwiGLU MLPs" if d.get("mlps_patched") else ""),
         f"  {'op':<22} {'backend':<16} {'self-check / why others were not used'}",
     ]
     for op, info in d["ops"].items():

@@ -129,6 +129,12 @@ PATHS: dict[str, PathSpec] = {
             "and add per adapted projection, autograd's sum of both input gradients): what the fused LoRA changes",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+stock-mlp", "packed",
+            "fastqwen+ckpt-auto+lean with the dense MLPs (MoE: the shared experts) stock (patch_model(swiglu_mlps="
+            "False)): SiLU and the multiply as two kernels, gate, silu(gate), up and the product held: what the "
+            "swiglu op (layers/mlp.py) changes",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+torch-rows", "packed",
             "MoE only: fastqwen+ckpt-auto+lean with the routed experts' row work on PyTorch's ops (the module's own "
             "_apply_gate, a multiply, a gather and a sum, as before ops/routed_swiglu.py and ops/routed_combine.py) "
@@ -188,13 +194,14 @@ LETTERS = {
     "x": "fastqwen+ckpt-auto+lean+offload", "y": "axolotl-best+offload",
     "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "A": "fastqwen+ckpt-auto+lean+fp8+offload",
     "B": "fastqwen+ckpt-auto+lean+peft-lora", "C": "fastqwen+ckpt-auto+lean+torch-rows",
+    "D": "fastqwen+ckpt-auto+lean+stock-mlp",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
-    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean",
-    "fastqwen+ckpt-auto+lean+fp8",
+    "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+stock-mlp",
+    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
     "fastqwen+ckpt-auto+lean+fp8-forward", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
@@ -209,6 +216,7 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
                       "fastqwen+ckpt-auto+lean": "fastqwen", "fastqwen+ckpt-auto+lean+fp8": "fastqwen",
                       "fastqwen+ckpt-auto+lean+peft-lora": "fastqwen",
                       "fastqwen+ckpt-auto+lean+torch-rows": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+stock-mlp": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
@@ -226,7 +234,7 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
                     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
-                    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
+                    "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                     "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
 FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
@@ -238,6 +246,8 @@ CHECKPOINT_OFFLOAD = ("fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lea
                       "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths on peft's own LoRA forward (patch_model(fused_lora=False))
 PEFT_LORA = ("fastqwen+ckpt-auto+lean+peft-lora",)
+# paths whose dense MLPs stay stock (patch_model(swiglu_mlps=False))
+STOCK_MLP = ("fastqwen+ckpt-auto+lean+stock-mlp",)
 # MoE paths whose routed experts run their row work on PyTorch's ops (not ops/routed_swiglu.py, ops/routed_combine.py)
 TORCH_ROWS = ("fastqwen+ckpt-auto+lean+torch-rows",)
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
@@ -284,6 +294,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     mlp_chunk_tokens = MLP_CHUNKS.get(name)
     fused_lora = name not in PEFT_LORA
     torch_rows = name in TORCH_ROWS
+    swiglu_mlps = name not in STOCK_MLP
     if torch_rows and not registry.family(family).moe:
         raise PathSkipped(f"{family} is a dense model: no routed experts")
     # the plugin line's default is `auto` (on where the checkpointed inputs would crowd the device): the lean
@@ -375,7 +386,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
         try:
             with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens, offload, fused_lora,
-                         torch_rows):
+                         torch_rows, swiglu_mlps):
                 yield info
         finally:
             undo.restore()
@@ -425,14 +436,14 @@ def fla_gdn_dispatch() -> str:
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
             lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
             mlp_chunk_tokens: int | None = None, checkpoint_offload: bool | str = False,
-            fused_lora: bool = True, torch_rows: bool = False) -> Iterator[None]:
+            fused_lora: bool = True, torch_rows: bool = False, swiglu_mlps: bool = True) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
     report = patch_model(model, prefer=prefer, lean_activations=lean, fp8=bool(fp8_tokens),
                          fp8_tokens=fp8_tokens or 8192, fp8_input_gradient=fp8_input_gradient,
                          mlp_chunk_tokens=mlp_chunk_tokens, checkpoint_offload=checkpoint_offload,
-                         fused_lora=fused_lora)
+                         fused_lora=fused_lora, swiglu_mlps=swiglu_mlps)
     info["patch_report"] = report
     experts = experts_modules(unwrap(model)) if torch_rows else []
     for module in experts:  # pinned as the experts self-check pins it when the kernels fail

@@ -484,7 +484,8 @@ def test_doctor_runs_on_cpu_and_says_what_a_gpu_would_use(tmp_path, capsys):
     assert main(["doctor", "--model", "qwen3.5-35b-a3b", "--json", str(out)]) == 0
     findings = json.loads(out.read_text())
     assert {row["op"] for row in findings["kernels"]} == {
-        "gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention", "rms_norm", "linear_cross_entropy"
+        "gated_delta_rule", "causal_conv", "gated_rmsnorm", "varlen_attention", "rms_norm", "swiglu",
+        "linear_cross_entropy"
     }
     assert all(row["backend"] == "torch" for row in findings["kernels_here"] if row["op"] != "linear_cross_entropy")
     assert findings["problems"] and "known-bad combinations" in capsys.readouterr().out

@@ -43,9 +43,11 @@ def backends_with(*extra):
 def test_cpu_selection_is_the_reference_with_reasons():
     ks = K.select_kernels("cpu", "auto")
     assert ks.names() == {"gated_delta_rule": "torch", "causal_conv": "torch", "gated_rmsnorm": "torch",
-                          "varlen_attention": "torch", "rms_norm": "torch", "linear_cross_entropy": "torch-chunked"}
-    assert ks.choices["rms_norm"].rejected == [("liger", "needs a CUDA device (model is on cpu)")]
-    assert not ks.choices["rms_norm"].backend.fallback  # transformers' own math: what runs without the plugin
+                          "varlen_attention": "torch", "rms_norm": "torch", "swiglu": "torch",
+                          "linear_cross_entropy": "torch-chunked"}
+    for op in ("rms_norm", "swiglu"):
+        assert ks.choices[op].rejected == [("liger", "needs a CUDA device (model is on cpu)")]
+        assert not ks.choices[op].backend.fallback  # transformers' own math: what runs without the plugin
     assert ("fla", "needs a CUDA device (model is on cpu)") in ks.choices["gated_delta_rule"].rejected
     assert ks.choices["linear_cross_entropy"].rejected == [("liger", "needs a CUDA device (model is on cpu)")]
     assert not ks.choices["linear_cross_entropy"].backend.fallback  # the intended CPU path: `require` accepts it

@@ -45,8 +45,8 @@ def keep(model, n):
 
 def norm_outputs(model):
     """Record the storage of each decoder layer's norm outputs, of the gated norm's output (out_proj's
-    input) and of the attention's gated output (o_proj's input); the tensors are kept alive until the
-    hooks are removed."""
+    input), of the attention's gated output (o_proj's input) and of the MLP's SwiGLU product (down_proj's
+    input); the tensors are kept alive until the hooks are removed."""
     seen: dict[str, int] = {}
     alive = []  # held by the test, so that no later tensor reuses their memory and aliases their address
     handles = []
@@ -65,6 +65,9 @@ def norm_outputs(model):
         else:
             handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
                 lambda m, a, key=f"{i}.gated_output": record(key, a[0])))
+        mlp = getattr(layer.mlp, "shared_expert", layer.mlp)  # MoE: the shared expert is the dense MLP
+        handles.append(mlp.down_proj.register_forward_pre_hook(
+            lambda m, a, key=f"{i}.mlp_product": record(key, a[0])))
     return seen, handles
 
 
@@ -102,10 +105,10 @@ def test_lean_activations_change_no_bit_and_hold_no_norm_output(family):
     assert torch.equal(lean_loss, loss)
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref), \
         [k for k in ref if not torch.equal(ours[k], ref[k])]
-    kept_layers = {"2.input_layernorm", "2.post_attention_layernorm", "2.gated_norm",  # layer 2: Gated DeltaNet
-                   "3.input_layernorm", "3.post_attention_layernorm", "3.gated_output"}  # layer 3: attention
+    kept_layers = {"2.input_layernorm", "2.post_attention_layernorm", "2.gated_norm", "2.mlp_product",  # GDN
+                   "3.input_layernorm", "3.post_attention_layernorm", "3.gated_output", "3.mlp_product"}  # attention
     held = kept_layers & held_before  # without lean, autograd holds those a LoRA A reads (LORA_TARGETS
-    # misses Qwen3-Next's in_proj_qkvz, and its routed experts carry no LoRA: it holds fewer)
+    # misses Qwen3-Next's in_proj_qkvz, and peft moves its gate/up/down LoRA to the routed experts: it holds fewer)
     assert {"2.gated_norm", "3.input_layernorm", "3.gated_output"} <= held and (family == "qwen3_next" or held == kept_layers), held
     assert not held_after & kept_layers, held_after & kept_layers
     assert report["lean_layers_last_forward"] == 2 and report["outputs_dropped_per_forward"] == len(held), report
@@ -119,8 +122,9 @@ def test_every_layer_is_lean_without_checkpointing_and_none_under_full_checkpoin
     lean_loss, ours, held, report = step(model, batch, lean=True)
     assert torch.equal(lean_loss, loss) and all(torch.equal(ours[k], ref[k]) for k in ref)
     # layer 0's first norm reads the frozen embeddings' output, which needs no grad, so its own op
-    # saves nothing: that output is held as before (saved by two LoRA A's), the other 11 are dropped
-    assert report["lean_layers_last_forward"] == 4 and report["outputs_dropped_per_forward"] == 3 * 3 + 3 - 1
+    # saves nothing: that output is held as before (saved by two LoRA A's), the other 11 are dropped,
+    # and each layer's MLP product
+    assert report["lean_layers_last_forward"] == 4 and report["outputs_dropped_per_forward"] == 3 * 3 + 3 - 1 + 4
     assert report["saves_kept"] == {INPUT_NOT_SAVED: 2}
     assert held == {"0.input_layernorm"}
 
@@ -132,13 +136,15 @@ def test_every_layer_is_lean_without_checkpointing_and_none_under_full_checkpoin
 def test_an_output_whose_inputs_were_not_saved_is_held_as_before():
     """A bf16 model: transformers' RMSNorm and the reference gated norm save fp32 copies of their
     inputs, not the inputs, so dropping an output would only trade it for its input: kept, and said.
-    The attention's gated output goes: its mul saves its bf16 operands themselves."""
+    The attention's gated output goes, and each MLP's SwiGLU product: their ops save their bf16 operands
+    themselves."""
     model = lora_model("qwen3_5", gc=False).to(torch.bfloat16)
     batch = packed_batch(sequences(model.config.vocab_size))
     loss, ref, held_before, _ = step(model, batch, lean=False)
     lean_loss, ours, held, report = step(model, batch, lean=True)
     assert torch.equal(lean_loss, loss) and all(torch.equal(ours[k], ref[k]) for k in ref)
-    assert report["outputs_dropped_per_forward"] == 1 and held == held_before - {"3.gated_output"}, held
+    products = {f"{i}.mlp_product" for i in range(4)}
+    assert report["outputs_dropped_per_forward"] == 1 + 4 and held == held_before - {"3.gated_output"} - products, held
     assert report["saves_kept"].get(INPUT_NOT_SAVED, 0) >= 11, report
 
 
@@ -179,7 +185,7 @@ def test_axolotl_fused_lora_projections_drop_the_same_outputs_and_change_no_bit(
     """Path l's composition on CPU: Axolotl's own lora_qkv / lora_o kernels attached (its fused
     Gated DeltaNet in-projections and out_proj, attention q/k/v and o; its SwiGLU kernel is Triton,
     so the MLP stays peft's): its autograd functions save the same norm and gate outputs, which are
-    dropped and recomputed with the same bits."""
+    dropped and recomputed with the same bits, as are the MLP products."""
     pytest.importorskip("axolotl")
     from fastqwen_bench.paths import _attach_axolotl_lora_kernels
     from fastqwen_bench.restore import Undo
@@ -195,7 +201,7 @@ def test_axolotl_fused_lora_projections_drop_the_same_outputs_and_change_no_bit(
     finally:
         undo.restore()
     assert torch.equal(lean_loss, loss) and all(torch.equal(ours[k], ref[k]) for k in ref)
-    assert report["outputs_dropped_per_forward"] == 3 * 3 + 3 - 1, report  # as with peft's layers
+    assert report["outputs_dropped_per_forward"] == 3 * 3 + 3 - 1 + 4, report  # as with peft's layers
     # Axolotl's o / out_proj functions bypass the modules' forward, so the test records only the
-    # 8 norm outputs: all held without lean, only layer 0's first with it
-    assert len(held_before) == 8 and held == {"0.input_layernorm"}, (held, held_before)
+    # 8 norm outputs and the 4 MLP products: all held without lean, only layer 0's first norm's with it
+    assert len(held_before) == 12 and held == {"0.input_layernorm"}, (held, held_before)

@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         key_dim=config.linear_key_head_dim, value_dim=config.linear_value_head_dim,
         conv_width=config.linear_conv_kernel_dim, q_heads=config.num_attention_heads,
         kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype, hidden=config.hidden_size,
+        intermediate=getattr(config, "shared_expert_intermediate_size", None) or config.intermediate_size,
     )
     kernels = select_kernels(device, "auto")
     if device.type == "cuda":

@@ -69,6 +69,7 @@ class Family:
     mrope: bool = True  # interleaved multimodal RoPE sections in the text rotary (Qwen3.5)
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # each decoder layer's RMSNorms
     rms_norm: str | None = None  # the zero-centred RMSNorm class (decoder, q/k and final norms), run by the rms_norm op
+    mlp: str | None = None  # the dense SwiGLU MLP class (MoE: the shared expert's), its SiLU-multiply run by the swiglu op
     shapes: tuple[PublishedShape, ...] = ()  # released model sizes (diagnostics/model_shapes.py)
     toy: tuple[tuple[str, object], ...] = ()  # config fields the toy-size model of this family adds
 
@@ -94,10 +95,11 @@ class Family:
 
         # only transformers' own class: `liger_rms_norm` replaces the module's name with Liger's class
         norms = tuple(c for c in classes(self.rms_norm) if c.__module__ == module.__name__)
+        mlps = tuple(c for c in classes(self.mlp) if c.__module__ == module.__name__)  # likewise liger_glu_activation
         return FamilyPlan(
             family=self, module=module, gated_deltanet=classes(self.gated_deltanet), attention=classes(self.attention),
             decoder=classes(self.decoder), causal_lm=classes(*self.causal_lms), rms_norm=norms,
-            moe_block=classes(self.moe_block),
+            moe_block=classes(self.moe_block), mlp=mlps,
         )
 
 
@@ -113,6 +115,7 @@ class FamilyPlan:
     causal_lm: tuple[type, ...]
     rms_norm: tuple[type, ...] = ()
     moe_block: tuple[type, ...] = ()
+    mlp: tuple[type, ...] = ()
 
     @property
     def name(self) -> str:

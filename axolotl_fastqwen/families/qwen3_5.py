@@ -39,6 +39,7 @@ FAMILY = Family(
     gated_deltanet="Qwen3_5GatedDeltaNet",
     attention="Qwen3_5Attention",
     rms_norm="Qwen3_5RMSNorm",
+    mlp="Qwen3_5MLP",
     decoder="Qwen3_5TextModel",
     project_gated_deltanet=project_split,
     lora_targets=LORA_TARGETS,

@@ -16,6 +16,7 @@ FAMILY = Family(
     gated_deltanet="Qwen3_5MoeGatedDeltaNet",
     attention="Qwen3_5MoeAttention",
     rms_norm="Qwen3_5MoeRMSNorm",
+    mlp="Qwen3_5MoeMLP",
     decoder="Qwen3_5MoeTextModel",
     project_gated_deltanet=project_split,
     lora_targets=LORA_TARGETS,

@@ -26,6 +26,7 @@ FAMILY = Family(
     gated_deltanet="Qwen3NextGatedDeltaNet",
     attention="Qwen3NextAttention",
     rms_norm="Qwen3NextRMSNorm",
+    mlp="Qwen3NextMLP",
     decoder="Qwen3NextModel",
     project_gated_deltanet=project_fused,
     # q|k|v|z are fused into in_proj_qkvz. No gate/up/down_proj: for model_type qwen3_next peft 0.21

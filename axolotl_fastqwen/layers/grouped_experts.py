@@ -37,6 +37,7 @@ from ..ops.routed_combine import (routed_combine_torch, routed_combine_triton, s
 from ..ops.routed_swiglu import routed_swiglu_triton
 from .experts_implementation import EXPERT_WEIGHTS, experts_class, experts_implementation
 from .forward_slot import bound_forward
+from .mlp import runs_silu
 from .quantized_stacks import describe_unreadable, frozen_quantized, frozen_stack_grouped_mm, stack_meta
 
 GROUPED = "fastqwen_grouped"  # the name in transformers' ExpertsInterface
@@ -120,7 +121,7 @@ def silu_gate(module: nn.Module) -> bool:
     return (getattr(gate, "__name__", None) == "_default_apply_gate"
             and getattr(gate, "__module__", "").startswith("transformers.")
             and getattr(module, "is_concatenated", True)
-            and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"))
+            and runs_silu(module))
 
 
 def routed_kernels(module: nn.Module, rows: torch.Tensor) -> str:

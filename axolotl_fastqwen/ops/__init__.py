@@ -7,11 +7,12 @@ self-check's inputs at a model's head shapes). Layers never import a kernel libr
 call the op through the `KernelSet` chosen at patch time.
 """
 
-from . import causal_conv, gated_delta_rule, gated_rmsnorm, linear_cross_entropy, rms_norm, varlen_attention
+from . import (causal_conv, gated_delta_rule, gated_rmsnorm, linear_cross_entropy, rms_norm, swiglu,
+               varlen_attention)
 from .backend import OpSpec
 
 # in the order of the report's table
-MODULES = (gated_delta_rule, causal_conv, gated_rmsnorm, varlen_attention, rms_norm, linear_cross_entropy)
+MODULES = (gated_delta_rule, causal_conv, gated_rmsnorm, varlen_attention, rms_norm, swiglu, linear_cross_entropy)
 SPECS: dict[str, OpSpec] = {m.SPEC.name: m.SPEC for m in MODULES}
 OPS = tuple(SPECS)
 

@@ -49,6 +49,7 @@ class CheckShapes:
     head_dim: int
     dtype: torch.dtype
     hidden: int = 1024  # the residual stream's width (the RMSNorm check); callers pass the model's
+    intermediate: int = 1024  # the dense MLP's (or the shared expert's) width (the SwiGLU check); likewise
 
 
 # inputs: (tensors, keyword arguments) for `tokens` packed tokens; bind: fn -> a function of the tensors alone

@@ -187,6 +187,7 @@ def check_shapes(base: nn.Module, dtype: torch.dtype | None = None) -> CheckShap
     `kernel_input_dtype` says outside autocast)."""
     gdn = _patched_gdn(base)
     attn = next((m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "q_norm")), None)
+    mlp = next((m for m in base.modules() if hasattr(m, "_fastqwen") and hasattr(m, "up_proj")), None)
     if dtype is None:
         dtype = kernel_input_dtype(base)
     return CheckShapes(
@@ -200,6 +201,7 @@ def check_shapes(base: nn.Module, dtype: torch.dtype | None = None) -> CheckShap
         head_dim=attn.head_dim if attn is not None else 64,
         dtype=dtype,
         hidden=gdn.hidden_size,
+        intermediate=getattr(mlp, "intermediate_size", 1024),
     )
 
 

@@ -38,6 +38,7 @@ from ..layers.attention import attention_forward
 from ..layers import grouped_experts
 from ..layers.causal_lm import causal_lm_forward
 from ..layers.gated_deltanet import gated_deltanet_forward
+from ..layers.mlp import runs_silu, swiglu_mlp_forward
 from ..layers.moe_block import sparse_moe_block_forward
 from ..layers.norms import rms_norm_forward
 from ..memory.lean_activations import LeanActivations
@@ -91,6 +92,7 @@ class PatchReport:
     lean: LeanActivations | None = field(default=None, repr=False)  # fastqwen_lean_activations, when on
     rms_norms: int = 0  # transformers RMSNorm modules of the decoder run by the rms_norm op
     moe_blocks: int = 0  # sparse MoE blocks whose shared expert is added in the routed sum (layers/moe_block.py)
+    mlps: int = 0  # dense SwiGLU MLPs (MoE: shared experts) whose SiLU-multiply the swiglu op runs (layers/mlp.py)
     fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
     mlp_chunks: MlpChunks | None = field(default=None, repr=False)  # fastqwen_mlp_chunk_tokens, when set
     offload: CheckpointOffload | None = field(default=None, repr=False)  # fastqwen_checkpoint_offload, when on
@@ -107,6 +109,9 @@ class PatchReport:
         if not self.rms_norms:
             names["rms_norm"] = ("off (no RMSNorm of the family's own class in the decoder: another integration's, "
                                  "e.g. liger_rms_norm's, run)")
+        if not self.mlps:
+            names["swiglu"] = ("off (no SiLU MLP of the family's own class and forward in the decoder: another "
+                               "integration's, e.g. liger_glu_activation's or lora_mlp_kernel's, runs)")
         return names
 
     def to_dict(self) -> dict:
@@ -126,6 +131,7 @@ class PatchReport:
             "mode": self.kernels.mode,
             "layers_patched": {"gated_deltanet": self.gated_deltanet_layers, "attention": self.attention_layers},
             "rms_norms_patched": self.rms_norms,
+            "mlps_patched": self.mlps,
             "selfchecked": self.kernels.checked and self.kernels.device.type == "cuda",
             "ops": ops,
             "experts": self._experts(model),
@@ -184,6 +190,7 @@ def patch_model(
     mlp_chunk_tokens: int | None = None,
     checkpoint_offload: bool | str = False,
     fused_lora: bool = True,
+    swiglu_mlps: bool = True,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -215,6 +222,9 @@ def patch_model(
     fused_lora: peft's LoRA linear layers add the adapter's product in its second GEMM
         (`torch.addmm`, `patching/fused_lora.py`): no full-size scale or add, autograd's native
         backward; peft's own forward wherever the layer is not the plain case.
+    swiglu_mlps: the dense SwiGLU MLPs (MoE: the shared experts) compute `silu(gate) · up` with the swiglu
+        op, which holds gate and up alone, and mark the product recomputable (`layers/mlp.py`); False leaves
+        them stock (the benchmark's before path).
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -224,7 +234,7 @@ def patch_model(
     plan = detect_family(base, registry.families())
     kernels = select_kernels(device if device is not None else model_device(base), backend, prefer=prefer)
     context = ForwardContext()
-    patched, counts, norms = _install_layers(base, plan, kernels, context)
+    patched, counts, norms, mlps = _install_layers(base, plan, kernels, context, swiglu_mlps)
 
     report = PatchReport(
         family=plan.name,
@@ -238,6 +248,7 @@ def patch_model(
         model=weakref.ref(base),
         rms_norms=len(norms),
         moe_blocks=counts["moe_block"],
+        mlps=len(mlps),
     )
     experts_before = _use_grouped_experts(base, kernels)
     lora_cast = LoraInputCast(base)
@@ -276,9 +287,10 @@ def patch_model(
     return report
 
 
-def _install_layers(base: nn.Module, plan: FamilyPlan, kernels: KernelSet, context: ForwardContext):
-    """The fused forwards on every Gated DeltaNet, attention and RMSNorm module of the decoder:
-    (patched modules, layer counts by kind, the norms among them)."""
+def _install_layers(base: nn.Module, plan: FamilyPlan, kernels: KernelSet, context: ForwardContext,
+                    swiglu_mlps: bool = True):
+    """The fused forwards on every Gated DeltaNet, attention, RMSNorm and SwiGLU MLP module of the decoder:
+    (patched modules, layer counts by kind, the norms among them, the MLPs among them)."""
     layers = {cls: (gated_deltanet_forward, "gated_deltanet") for cls in plan.gated_deltanet}
     layers.update({cls: (attention_forward, "attention") for cls in plan.attention})
     # the sparse blocks whose forward is still transformers' own (another integration's class patch is left alone)
@@ -301,7 +313,13 @@ def _install_layers(base: nn.Module, plan: FamilyPlan, kernels: KernelSet, conte
              for m in decoder.modules() if type(m) in plan.rms_norm and not _forward_replaced(m)]
     for module in norms:
         _install(module, rms_norm_forward, plan, kernels, context)
-    return patched + norms, counts, norms
+    # the class's own forward, not one another integration bound (Axolotl's lora_mlp_kernel does, per instance)
+    mlps = [m for decoder in base.modules() if swiglu_mlps and type(decoder) in plan.decoder
+            for m in decoder.modules() if type(m) in plan.mlp and not _forward_replaced(m) and runs_silu(m)
+            and type(m).forward.__module__ == plan.module.__name__]
+    for module in mlps:
+        _install(module, swiglu_mlp_forward, plan, kernels, context)
+    return patched + norms + mlps, counts, norms, mlps
 
 
 def unpatch_model(model: nn.Module) -> None:
