@@ -52,9 +52,10 @@ def test_class_form_patches_packs_and_reports(tmp_path):
     assert kernels["family"] == "qwen3_5"
     assert kernels["layers_patched"] == {"gated_deltanet": 3, "attention": 1}
     assert kernels["rms_norms_patched"] == 4 * 2 + 2 + 1  # each layer's two, the attention's q/k, the final
+    assert kernels["mlps_patched"] == 4
     assert {op: v["backend"] for op, v in kernels["ops"].items()} == {
         "gated_delta_rule": "torch", "causal_conv": "torch", "gated_rmsnorm": "torch", "varlen_attention": "torch",
-        "rms_norm": "torch", "linear_cross_entropy": "torch-chunked"}
+        "rms_norm": "torch", "swiglu": "torch", "linear_cross_entropy": "torch-chunked"}
     assert kernels["boundary_sources"] == ["collator"]
     # every training and evaluation batch had the one static shape
     assert kernels["batch_shapes"] == {"train": [[1, 1024]], "eval": [[1, 1024]]}
@@ -256,9 +257,9 @@ def test_lean_activations_train_with_the_losses_of_a_run_without_them(tmp_path):
     losses = train_losses(log)
     assert len(losses) == len(reference) == 3 and losses == reference, (losses, reference)
     dropped = report(lean)["kernels"]["lean_activations"]
-    # all 12 (3 a layer): Axolotl calls peft's `enable_input_require_grads`, so even the first norm
-    # saves its input (test_lean_activations.py: 11 without)
-    assert dropped["lean_layers_last_forward"] == 4 and dropped["outputs_dropped_per_forward"] == 12, dropped
+    # all 16 (4 a layer: two norms, the gated norm or output gate, the MLP product): Axolotl calls peft's
+    # `enable_input_require_grads`, so even the first norm saves its input (test_lean_activations.py: 15 without)
+    assert dropped["lean_layers_last_forward"] == 4 and dropped["outputs_dropped_per_forward"] == 16, dropped
     assert dropped["saves_kept"] == {}, dropped
     assert "lean activations: on; no layer that keeps its activations has run a training forward yet" in log
 

@@ -48,11 +48,12 @@ class FastQwenArgs(BaseModel):
         "rest is left to the allocator's cache and other processes)."))
     fastqwen_lean_activations: bool | None = Field(default=None, json_schema_extra=_about(
         "In decoder layers whose activations are kept (gradient checkpointing off, or the layers "
-        "fastqwen_checkpointing: auto keeps), drop the norm and output-gate outputs autograd would hold and "
-        "recompute them in backward: the same gradients bit for bit, about a sixth less memory per kept layer at "
-        "the 27B shape, so auto keeps more layers. Unset: on unless fsdp, deepspeed or torch_compile is set, or "
-        "gradient_checkpointing recomputes every layer (the load report says which); true insists and refuses "
-        "fsdp, deepspeed and torch_compile; false turns it off."))
+        "fastqwen_checkpointing: auto keeps), drop the norm, output-gate and MLP-product outputs autograd would "
+        "hold and recompute them in backward: the same gradients bit for bit, less memory per kept layer (at the "
+        "27B shape the norms' outputs are a sixth of it, the MLP product another sixth), so auto keeps more "
+        "layers. Unset: on unless fsdp, deepspeed or torch_compile is set, or gradient_checkpointing recomputes "
+        "every layer (the load report says which); true insists and refuses fsdp, deepspeed and torch_compile; "
+        "false turns it off."))
     fastqwen_fused_lora: bool = Field(default=True, json_schema_extra=_about(
         "peft's LoRA linear layers add the adapter's product in its own GEMM (addmm onto the base output), so no "
         "full-size scale or add per adapted projection, forward or backward (the same math; the adapter's product "

@@ -2,16 +2,17 @@
 
 A decoder layer whose activations are kept (not recomputed by gradient checkpointing) holds, for
 its backward, the outputs of its two RMSNorms and of the Gated DeltaNet's gated norm (attention:
-its sigmoid output gate): the LoRA projections that read them save them (the A gradient needs its
-input). Each is a function of tensors its own op saved for its backward already, so holding it
-too is redundant: 3.2 hidden sizes per token of the 19.2 that a kept Qwen3.5-27B layer holds (the
-H200 probe of `benchmarks/h200/2026-12-05`: 1.494 GiB per layer at 8,192 tokens). Fewer bytes per
+its sigmoid output gate), and its MLP's SwiGLU product: the LoRA projections that read them save them
+(the A gradient needs its input). Each is a function of tensors its own op saved for its backward
+already, so holding it too is redundant: 3.2 hidden sizes per token of the 19.2 that a kept
+Qwen3.5-27B layer holds (the H200 probe of `benchmarks/h200/2026-12-05`: 1.494 GiB per layer at 8,192
+tokens) for the norms, 3.4 for the product (`layers/mlp.py`). Fewer bytes per
 kept layer means `fastqwen_checkpointing: auto` keeps more layers, and each layer kept is a
 forward not recomputed.
 
 How: while a kept layer runs forward, saved-tensor hooks see every tensor autograd saves. An
 output marked `recomputable` (the norms' forward hooks, and `recomputable(...)` in the Gated
-DeltaNet and attention forwards) is packed as its recipe, not its storage, when some consumer
+DeltaNet, attention and MLP forwards) is packed as its recipe, not its storage, when some consumer
 saves it or a view of it; backward's unpack runs the recipe: the same function on the same
 inputs, so the same bits.
 A recipe is used only where every input it reads was itself saved earlier in that forward (by the

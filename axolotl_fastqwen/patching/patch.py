@@ -199,7 +199,7 @@ def patch_model(
     "require" (raise if any op would use the PyTorch path) or "reference" (PyTorch everywhere).
     device: where the model will train; defaults to the device of its parameters.
     prefer: op -> backend name to try first, e.g. {"causal_conv": "fla-triton"}.
-    lean_activations: in layers that keep their activations, drop the norm and output-gate outputs
+    lean_activations: in layers that keep their activations, drop the norm, output-gate and MLP-product outputs
         autograd would hold and recompute them in backward (`memory/lean_activations.py`): same gradients,
         less memory.
     fp8: run the frozen base projections of the decoder layers on FP8 GEMMs (`patching/fp8_weights.py`):
