@@ -182,3 +182,15 @@ def test_an_mlp_with_another_activation_is_not_patched():
         assert report.mlps == 2 and "forward" not in vars(model.model.layers[0].mlp)
     finally:
         unpatch_model(model)
+
+
+def test_swiglu_mlps_false_leaves_every_mlp_stock_and_says_so():
+    """The bench's before path (D): `patch_model(swiglu_mlps=False)` patches no MLP, and the report names
+    the argument as the reason, not another integration."""
+    model = model_for("qwen3_5_moe")
+    report = patch_model(model, swiglu_mlps=False, log=False)
+    try:
+        assert report.mlps == 0 and not any("forward" in vars(m) for m in _mlps(model))
+        assert report.backends()["swiglu"] == "off (patch_model(swiglu_mlps=False): the MLPs stay stock)"
+    finally:
+        unpatch_model(model)

@@ -20,6 +20,8 @@ import torch
 
 # How to get fla: on PyPI under this name, and in this package's `[kernels]` extra (README, "Install").
 FLA_HINT = "pip install 'flash-linear-attention>=0.5.2', in the [kernels] extra"
+# Liger-Kernel: a dependency of this package (and of Axolotl); missing only from a hand-made environment.
+LIGER_HINT = "pip install liger-kernel"
 
 # FlashQLA (QwenLM's TileLang GDN kernels): opt-in, `fastqwen_kernel_preference` (README, "Kernels").
 FLASH_QLA_HINT = "pip install flash-qla (TileLang; SM90/SM100 GPUs)"

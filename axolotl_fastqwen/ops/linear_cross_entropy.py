@@ -168,7 +168,7 @@ def bind(fn, boundaries, extra):
 SPEC = OpSpec("linear_cross_entropy", reference="torch-chunked", check_inputs=check_inputs, bind=bind)
 BACKENDS = (
     KernelBackend("linear_cross_entropy", "liger", liger_linear_cross_entropy, 100,
-                  on_cuda_with(availability.has_liger, "pip install liger-kernel"), "liger_kernel", limits=liger_limits),
+                  on_cuda_with(availability.has_liger, availability.LIGER_HINT), "liger_kernel", limits=liger_limits),
     # chunked matmuls: cuBLAS does the work; the CPU path, and a sound GPU one
     KernelBackend("linear_cross_entropy", "torch-chunked", linear_cross_entropy, 0, always),
 )

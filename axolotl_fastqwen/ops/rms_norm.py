@@ -43,7 +43,7 @@ def bind(fn, boundaries, extra):
 SPEC = OpSpec("rms_norm", reference="torch", check_inputs=check_inputs, bind=bind)
 BACKENDS = (
     KernelBackend("rms_norm", "liger", liger_rms_norm, 100,
-                  on_cuda_with(availability.has_liger, "pip install liger-kernel"), "liger_kernel"),
+                  on_cuda_with(availability.has_liger, availability.LIGER_HINT), "liger_kernel"),
     # stock's own math: without Liger the model runs exactly as it would without the plugin
     KernelBackend("rms_norm", "torch", reference_rms_norm, 0, always),
 )

@@ -66,7 +66,7 @@ def bind(fn, boundaries, extra):
 SPEC = OpSpec("swiglu", reference="torch", check_inputs=check_inputs, bind=bind)
 BACKENDS = (
     KernelBackend("swiglu", "liger", liger_swiglu, 100,
-                  on_cuda_with(availability.has_liger, "pip install liger-kernel"), "liger_kernel"),
+                  on_cuda_with(availability.has_liger, availability.LIGER_HINT), "liger_kernel"),
     # stock's own math and roundings: without Liger the MLP computes exactly what it would without the plugin
     KernelBackend("swiglu", "torch", reference_swiglu, 0, always),
 )

@@ -93,6 +93,8 @@ class PatchReport:
     rms_norms: int = 0  # transformers RMSNorm modules of the decoder run by the rms_norm op
     moe_blocks: int = 0  # sparse MoE blocks whose shared expert is added in the routed sum (layers/moe_block.py)
     mlps: int = 0  # dense SwiGLU MLPs (MoE: shared experts) whose SiLU-multiply the swiglu op runs (layers/mlp.py)
+    mlps_off: str = ("no SiLU MLP of the family's own class and forward in the decoder: another integration's, e.g. "
+                     "liger_glu_activation's or lora_mlp_kernel's, runs")  # why, where `mlps` is 0
     fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
     mlp_chunks: MlpChunks | None = field(default=None, repr=False)  # fastqwen_mlp_chunk_tokens, when set
     offload: CheckpointOffload | None = field(default=None, repr=False)  # fastqwen_checkpoint_offload, when on
@@ -110,8 +112,7 @@ class PatchReport:
             names["rms_norm"] = ("off (no RMSNorm of the family's own class in the decoder: another integration's, "
                                  "e.g. liger_rms_norm's, run)")
         if not self.mlps:
-            names["swiglu"] = ("off (no SiLU MLP of the family's own class and forward in the decoder: another "
-                               "integration's, e.g. liger_glu_activation's or lora_mlp_kernel's, runs)")
+            names["swiglu"] = f"off ({self.mlps_off})"
         return names
 
     def to_dict(self) -> dict:
@@ -250,6 +251,8 @@ def patch_model(
         moe_blocks=counts["moe_block"],
         mlps=len(mlps),
     )
+    if not swiglu_mlps:
+        report.mlps_off = "patch_model(swiglu_mlps=False): the MLPs stay stock"
     experts_before = _use_grouped_experts(base, kernels)
     lora_cast = LoraInputCast(base)
     expert_adapters = ExpertAdapters(base)
