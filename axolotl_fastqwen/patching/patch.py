@@ -312,13 +312,14 @@ def _install_layers(base: nn.Module, plan: FamilyPlan, kernels: KernelSet, conte
         _install(module, forward, plan, kernels, context)
         patched.append(module)
         counts[kind] += 1
-    norms = [m for decoder in base.modules() if type(decoder) in plan.decoder
-             for m in decoder.modules() if type(m) in plan.rms_norm and not _forward_replaced(m)]
+    # modules whose forward no other integration bound to the instance (Liger's norms, Axolotl's lora_mlp_kernel)
+    free = [m for decoder in base.modules() if type(decoder) in plan.decoder
+            for m in decoder.modules() if not _forward_replaced(m)]
+    norms = [m for m in free if type(m) in plan.rms_norm]
     for module in norms:
         _install(module, rms_norm_forward, plan, kernels, context)
-    # the class's own forward, not one another integration bound (Axolotl's lora_mlp_kernel does, per instance)
-    mlps = [m for decoder in base.modules() if swiglu_mlps and type(decoder) in plan.decoder
-            for m in decoder.modules() if type(m) in plan.mlp and not _forward_replaced(m) and runs_silu(m)
+    # and, of the MLPs, those still on their class's own forward with transformers' SiLU
+    mlps = [m for m in free if swiglu_mlps and type(m) in plan.mlp and runs_silu(m)
             and type(m).forward.__module__ == plan.module.__name__]
     for module in mlps:
         _install(module, swiglu_mlp_forward, plan, kernels, context)
