@@ -26,6 +26,7 @@ from axolotl_fastqwen.families.base import unwrap
 from axolotl_fastqwen.layers.experts_implementation import experts_modules
 from axolotl_fastqwen.layers.grouped_experts import ROUTED_KERNELS_ATTR
 from axolotl_fastqwen.layers.moe_block import OWN_FORWARD_ATTR
+from axolotl_fastqwen.ops import linear_cross_entropy
 from axolotl_fastqwen import registry
 from axolotl_fastqwen.transformers_functions import resolved_kernel, stock_torch_kernels
 from fastqwen_bench import cpu_fla
@@ -135,6 +136,11 @@ PATHS: dict[str, PathSpec] = {
             "swiglu op (layers/mlp.py) changes",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+liger-chunks", "packed",
+            "fastqwen+ckpt-auto+lean with the loss on Liger's own chunk sizes (chunk_mem_const 1: 128 tokens at "
+            "hidden 2048, 256 at 5120) instead of LIGER_MIN_CHUNK_TOKENS: what the loss's larger chunks change",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+torch-rows", "packed",
             "MoE only: fastqwen+ckpt-auto+lean with the routed experts' row work on PyTorch's ops (the module's own "
             "_apply_gate, a multiply, a gather and a sum, as before ops/routed_swiglu.py and ops/routed_combine.py) "
@@ -194,14 +200,14 @@ LETTERS = {
     "x": "fastqwen+ckpt-auto+lean+offload", "y": "axolotl-best+offload",
     "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "A": "fastqwen+ckpt-auto+lean+fp8+offload",
     "B": "fastqwen+ckpt-auto+lean+peft-lora", "C": "fastqwen+ckpt-auto+lean+torch-rows",
-    "D": "fastqwen+ckpt-auto+lean+stock-mlp",
+    "D": "fastqwen+ckpt-auto+lean+stock-mlp", "E": "fastqwen+ckpt-auto+lean+liger-chunks",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+stock-mlp",
-    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
+    "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
     "fastqwen+ckpt-auto+lean+fp8-forward", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
@@ -217,6 +223,7 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
                       "fastqwen+ckpt-auto+lean+peft-lora": "fastqwen",
                       "fastqwen+ckpt-auto+lean+torch-rows": "fastqwen",
                       "fastqwen+ckpt-auto+lean+stock-mlp": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+liger-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
@@ -234,7 +241,8 @@ KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
                     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
-                    "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
+                    "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+liger-chunks",
+                    "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                     "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
 FP8 = ("fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
@@ -248,6 +256,8 @@ CHECKPOINT_OFFLOAD = ("fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lea
 PEFT_LORA = ("fastqwen+ckpt-auto+lean+peft-lora",)
 # paths whose dense MLPs stay stock (patch_model(swiglu_mlps=False))
 STOCK_MLP = ("fastqwen+ckpt-auto+lean+stock-mlp",)
+# paths whose loss runs on Liger's own chunk sizes (linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS set to 1)
+LIGER_OWN_CHUNKS = ("fastqwen+ckpt-auto+lean+liger-chunks",)
 # MoE paths whose routed experts run their row work on PyTorch's ops (not ops/routed_swiglu.py, ops/routed_combine.py)
 TORCH_ROWS = ("fastqwen+ckpt-auto+lean+torch-rows",)
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
@@ -295,6 +305,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     fused_lora = name not in PEFT_LORA
     torch_rows = name in TORCH_ROWS
     swiglu_mlps = name not in STOCK_MLP
+    liger_min_chunk = 1 if name in LIGER_OWN_CHUNKS else linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS
     if torch_rows and not registry.family(family).moe:
         raise PathSkipped(f"{family} is a dense model: no routed experts")
     # the plugin line's default is `auto` (on where the checkpointed inputs would crowd the device): the lean
@@ -384,6 +395,8 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         undo = Undo()
         if name == "fastqwen-lora-kernels":
             info["notes"].append(_attach_axolotl_lora_kernels(model, device, undo))
+        undo.attr(linear_cross_entropy, "LIGER_MIN_CHUNK_TOKENS")
+        linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS = liger_min_chunk
         try:
             with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens, offload, fused_lora,
                          torch_rows, swiglu_mlps):

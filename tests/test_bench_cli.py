@@ -78,7 +78,7 @@ def test_bench_writes_complete_json(bench):
         "fastqwen+ckpt-auto+torch-norms", "axolotl-best+fastqwen+ckpt-auto", "axolotl-best+fastqwen+ckpt-auto+flash-qla",
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
         "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+stock-mlp",
-        "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+fp8",
+        "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+fp8",
         "fastqwen+ckpt-auto+lean+mlp-chunks",
         "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
         "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "fastqwen+ckpt-auto+lean+fp8-forward", "stock-moe-eager", "stock-moe-grouped-mm",
@@ -88,7 +88,7 @@ def test_bench_writes_complete_json(bench):
                  "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                  "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
                  "axolotl-best+offload", "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
-                 "fastqwen+ckpt-auto+lean+stock-mlp"):
+                 "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+liger-chunks"):
         assert _path(result, name)["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]
@@ -712,6 +712,21 @@ def test_path_c_runs_the_routed_rows_and_the_shared_expert_as_before_the_kernels
         assert blocks and all(b.__dict__.get(OWN_FORWARD_ATTR) for b in blocks)
     assert all(OWN_FORWARD_ATTR not in b.__dict__ and "_fastqwen" not in b.__dict__ for b in blocks)
     assert all(ROUTED_KERNELS_ATTR not in m.__dict__ for m in experts_modules(model))
+
+
+def test_path_e_runs_the_loss_on_liger_s_own_chunks_while_it_runs():
+    """Path E sets the loss's chunk floor to 1 (Liger's own chunk sizes) for its block only."""
+    from axolotl_fastqwen.ops import linear_cross_entropy
+    from fastqwen_bench.paths import LETTERS, installed
+    from tiny_assets import build_tiny_model
+
+    floor = linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS
+    with installed(LETTERS["E"], build_tiny_model("qwen3_5"), "qwen3_5",
+                   torch.device("cpu"), gc=True):
+        assert linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS == 1
+    with installed("fastqwen+ckpt-auto+lean", build_tiny_model("qwen3_5"), "qwen3_5", torch.device("cpu"), gc=True):
+        assert linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS == floor > 1
+    assert linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS == floor
 
 
 def test_a_step_s_garbage_collections_are_timed_and_counted():

@@ -258,7 +258,7 @@ def liger_stand_in(monkeypatch):
     (tests/test_gpu_kernels.py compares the real one); here what our wrapper adds is checked."""
     calls = []
 
-    def fused(input, weight, target, *, ignore_index, reduction, accum_dtype):
+    def fused(input, weight, target, *, ignore_index, reduction, accum_dtype, chunk_mem_const):
         calls.append((input.is_contiguous(), input.dim(), reduction, accum_dtype))
         logits = (input @ weight.T).float()
         return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
@@ -305,6 +305,73 @@ def test_liger_wrapper_of_a_batch_without_targets_is_zero_not_nan(liger_stand_in
     loss = liger_linear_cross_entropy(h, torch.randn(10, 4), torch.full((1, 8), -100))
     loss.backward()
     assert float(loss.detach()) == 0.0 and torch.count_nonzero(h.grad) == 0
+
+
+@pytest.fixture
+def liger_ce_kernel_stand_in(monkeypatch):
+    """Liger's own Python (chunking, GEMMs, gradient buffers) with its two Triton kernels in PyTorch (they need
+    CUDA): the per-row loss and in-place logits gradient, whose launches' rows are recorded, and backward's
+    in-place scaling by the loss's incoming gradient."""
+    flce = pytest.importorskip("liger_kernel.ops.fused_linear_cross_entropy")
+    launches = []
+
+    def launch(X_ptr, Y_ptr, loss_ptr, n_non_ignore, ignore_index, reduction, HAS_GRADIENTS, **_):
+        launches.append(X_ptr.shape[0])
+        x, valid = X_ptr.float(), Y_ptr != ignore_index
+        target = torch.where(valid, Y_ptr, 0)
+        lse = x.logsumexp(-1)
+        loss_ptr.copy_(torch.where(valid, lse - x.gather(1, target[:, None])[:, 0], 0.0))
+        if HAS_GRADIENTS:
+            grad = (x - lse[:, None]).exp()
+            grad[torch.arange(len(target)), target] -= 1
+            X_ptr.copy_((grad * valid[:, None] / (max(n_non_ignore, 1) if reduction == "mean" else 1)).to(X_ptr.dtype))
+
+    def scale(X_ptr, X_stride, grad_output_ptr, n_cols, **_):
+        X_ptr.mul_(grad_output_ptr)
+
+    class Kernel:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return self.fn
+
+    monkeypatch.setattr(flce, "liger_cross_entropy_kernel", Kernel(launch))
+    monkeypatch.setattr(flce, "element_mul_kernel", Kernel(scale))
+    return launches
+
+
+# (tokens, hidden, vocab): the 35B-A3B's and the 27B's vocabulary-to-hidden ratios (248,320 / 2,048 and / 5,120)
+# at a width a CPU affords (Liger then chose 128- and 256-token chunks, as at the real shapes), and short inputs
+@pytest.mark.parametrize("tokens,hidden,vocab,liger_own", [(8192, 32, 3880, 128), (8192, 80, 3880, 256),
+                                                           (300, 16, 5000, 1), (700, 16, 5000, 4), (5, 16, 5000, 1)])
+def test_liger_chunks_hold_at_least_the_minimum_tokens_and_the_loss_is_unchanged(
+        tokens, hidden, vocab, liger_own, liger_ce_kernel_stand_in):
+    """Liger's real chunking, driven by the `chunk_mem_const` the wrapper passes: every chunk but the last
+    `LIGER_MIN_CHUNK_TOKENS` long (or the whole input), where Liger's default made chunks of `liger_own`; the
+    loss and the hidden gradient those of transformers' definition on the full logits (fp32, 1e-5: the
+    chunked sums' order)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    from axolotl_fastqwen.ops.linear_cross_entropy import LIGER_MIN_CHUNK_TOKENS
+
+    g = torch.Generator().manual_seed(tokens + hidden)
+    h = torch.randn(1, tokens, hidden, generator=g).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=g) * hidden**-0.5
+    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+    labels[0, ::7] = -100
+    targets = shift_labels(labels)
+    liger_fused_linear_cross_entropy(h[0].detach(), w, targets[0], reduction="sum")
+    assert liger_ce_kernel_stand_in[0] == liger_own
+    liger_ce_kernel_stand_in.clear()
+    ours = liger_linear_cross_entropy(h, w, targets)
+    (grad,) = torch.autograd.grad(ours, [h])
+    want = min(LIGER_MIN_CHUNK_TOKENS, tokens)
+    assert liger_ce_kernel_stand_in[:-1] == [want] * (len(liger_ce_kernel_stand_in) - 1)
+    assert want >= liger_ce_kernel_stand_in[-1] > 0 and sum(liger_ce_kernel_stand_in) == tokens
+    ref = reference_cross_entropy(h @ w.T, targets)
+    assert rel(ours.detach(), ref.detach()) < 1e-5
+    assert rel(grad, torch.autograd.grad(ref, [h])[0]) < 1e-5
 
 
 def test_stock_torch_kernels_context_switches_and_restores():

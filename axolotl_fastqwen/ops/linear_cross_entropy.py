@@ -10,6 +10,8 @@ exactly as transformers' `ForCausalLMLoss` (shifted labels, -100 ignored, sum ov
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..hookspecs import hookimpl
@@ -19,6 +21,13 @@ from .backend import CheckShapes, KernelBackend, OpSpec, always, generator, on_c
 IGNORE_INDEX = -100
 # Elements of fp32 logits held at once (~1 GiB): 1,081 tokens at a 248k vocabulary.
 CHUNK_ELEMENTS = 1 << 28
+# The fewest tokens in one of Liger's chunks. Each chunk reads all of lm_head's weight and does M FLOP per
+# byte of it (M: the chunk's tokens); below about 300 (an H100's bf16 peak over its memory bandwidth, ~200
+# on an H200) the loss's two GEMMs wait on memory. Liger sizes chunks so that their logits match the input
+# (tokens x hidden elements): 128 tokens at the 35B-A3B's hidden 2048 and 248k vocabulary, where its GEMMs
+# ran at 350 TFLOP/s, 47.7 of the step's 295 ms of GPU kernel time (benchmarks/h100/2026-12-07b). 512
+# tokens of bf16 logits at that vocabulary are 254 MB.
+LIGER_MIN_CHUNK_TOKENS = 512
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -61,8 +70,9 @@ def liger_linear_cross_entropy(
     """`linear_cross_entropy` on Liger-Kernel's Triton kernel (CUDA only), same contract.
 
     Why: one Triton pass over each logits chunk yields loss and gradient, where the torch path
-    makes ~6 fp32 elementwise passes over the 248k-wide logits. Liger sizes its own chunks, so
-    `chunk_tokens` is ignored.
+    makes ~6 fp32 elementwise passes over the 248k-wide logits. Liger's chunks are made at least
+    `LIGER_MIN_CHUNK_TOKENS` long through its `chunk_mem_const` (`chunk_tokens` is ignored): the same
+    per-token results, from fewer, compute-bound GEMMs.
     """
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -71,9 +81,26 @@ def liger_linear_cross_entropy(
     # reduction="sum" over our own normalizer (Liger's "mean" cannot take num_items_in_batch);
     # lm_head's gradient (full fine-tuning) accumulated in fp32, as the torch path does.
     loss = liger_fused_linear_cross_entropy(
-        h, weight.contiguous(), t, ignore_index=ignore_index, reduction="sum", accum_dtype=torch.float32
+        h, weight.contiguous(), t, ignore_index=ignore_index, reduction="sum", accum_dtype=torch.float32,
+        chunk_mem_const=liger_chunk_mem_const(h.shape[0], h.shape[1], weight.shape[0], LIGER_MIN_CHUNK_TOKENS),
     )
     return loss / _normalizer(t, num_items_in_batch, ignore_index, torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def liger_chunk_mem_const(tokens: int, hidden: int, vocab: int, min_tokens: int) -> int:
+    """The smallest `chunk_mem_const` for which Liger's chunks hold at least `min_tokens` tokens (or all of
+    them). Liger >= 0.8.4 takes `ceil(vocab / (const * hidden))` chunks' worth of tokens, rounded up to a
+    power of two (`fused_linear_cross_entropy_forward`); const 1 is its default."""
+    const = 1
+    while _liger_chunk_tokens(tokens, hidden, vocab, const) < min(min_tokens, tokens):
+        const += 1
+    return const
+
+
+def _liger_chunk_tokens(tokens: int, hidden: int, vocab: int, const: int) -> int:
+    per_chunk = -(-vocab // (const * hidden))
+    return min(1 << (-(-tokens // per_chunk) - 1).bit_length(), tokens)
 
 
 def liger_limits(hidden, weight, targets, **kwargs) -> str | None:
