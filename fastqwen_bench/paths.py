@@ -141,6 +141,12 @@ PATHS: dict[str, PathSpec] = {
             "hidden 2048, 256 at 5120) instead of LIGER_MIN_CHUNK_TOKENS: what the loss's larger chunks change",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+triton-loss", "packed",
+            "fastqwen+ckpt-auto+lean with the loss on the plugin's own Triton rows kernel (fastqwen_kernel_preference: "
+            "{linear_cross_entropy: triton}; ops/cross_entropy_rows.py): Liger's chunked loss without its three host "
+            "syncs a step",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+torch-rows", "packed",
             "MoE only: fastqwen+ckpt-auto+lean with the routed experts' row work on PyTorch's ops (the module's own "
             "_apply_gate, a multiply, a gather and a sum, as before ops/routed_swiglu.py and ops/routed_combine.py) "
@@ -201,13 +207,14 @@ LETTERS = {
     "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "A": "fastqwen+ckpt-auto+lean+fp8+offload",
     "B": "fastqwen+ckpt-auto+lean+peft-lora", "C": "fastqwen+ckpt-auto+lean+torch-rows",
     "D": "fastqwen+ckpt-auto+lean+stock-mlp", "E": "fastqwen+ckpt-auto+lean+liger-chunks",
+    "F": "fastqwen+ckpt-auto+lean+triton-loss",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+stock-mlp",
-    "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
+    "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
     "fastqwen+ckpt-auto+lean+fp8-forward", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
@@ -224,6 +231,7 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
                       "fastqwen+ckpt-auto+lean+torch-rows": "fastqwen",
                       "fastqwen+ckpt-auto+lean+stock-mlp": "fastqwen",
                       "fastqwen+ckpt-auto+lean+liger-chunks": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+triton-loss": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
@@ -236,12 +244,14 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
 # path -> the plugin's kernel preference (patch_model(prefer=...)); the path is skipped when it does not take
 KERNEL_PREFERENCE = {"axolotl-best+fastqwen+ckpt-auto+flash-qla": {"gated_delta_rule": "flash-qla"},
                      "fastqwen+ckpt-auto+torch-norms": {"rms_norm": "torch"},
+                     "fastqwen+ckpt-auto+lean+triton-loss": {"linear_cross_entropy": "triton"},
                      "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean": {"gated_delta_rule": "flash-qla"}}
 # paths with fastqwen_lean_activations (patch_model(lean_activations=True))
 LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
                     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
                     "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+liger-chunks",
+                    "fastqwen+ckpt-auto+lean+triton-loss",
                     "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                     "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))

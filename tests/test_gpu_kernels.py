@@ -156,6 +156,50 @@ def test_liger_loss_chunks_at_the_real_vocab(hidden, monkeypatch, gpu_record):
     assert row["wrapper_ms"] <= 1.05 * row["liger_own_ms"], row
 
 
+@pytest.mark.parametrize("hidden", [2048, 5120])
+def test_triton_loss_has_no_host_sync_and_keeps_up_with_liger_cross_entropy(hidden, gpu_record):
+    """The `triton` loss backend (`ops/cross_entropy_rows.py`) on 8,192 tokens at the 248,320 vocabulary,
+    bf16, lm_head frozen: loss and hidden gradient against the fp32 torch-chunked loss (`OP_TOL`, as every
+    op), forward + backward with CUDA's sync debug mode at "error" (Liger's raises there: its `.item()`),
+    and timed against Liger's (with the wrapper's chunks)."""
+    from axolotl_fastqwen.kernel_choice import fp8_decision
+    from axolotl_fastqwen.ops import linear_cross_entropy as lce
+
+    if not availability.has_liger():
+        pytest.skip("liger-kernel is not installed (the timing's peer)")
+    T, V = 8192, 248320
+    gen = torch.Generator(device="cuda").manual_seed(hidden + 1)
+    hidden_states = torch.randn(1, T, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(V, hidden, generator=gen, device="cuda") * 2 * hidden**-0.5).to(torch.bfloat16)
+    targets = torch.randint(0, V, (1, T), generator=gen, device="cuda")
+    targets[0, ::7] = -100
+
+    def step(fn, dtype=torch.bfloat16):
+        h = hidden_states.to(dtype).requires_grad_()
+        loss = fn(h, weight.to(dtype), targets)
+        loss.backward()
+        return loss.detach(), h.grad
+
+    ref_loss, ref_grad = step(lce.linear_cross_entropy, torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, grad = step(lce.triton_linear_cross_entropy)
+        with pytest.raises(RuntimeError):
+            step(lce.liger_linear_cross_entropy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    row = {"tokens": T, "hidden": hidden, "vocab": V, "loss_rel_err": float((loss - ref_loss).abs() / ref_loss.abs()),
+           "grad_rel_err": _rel(grad.float(), ref_grad), "tolerance": OP_TOL}
+    del ref_grad
+    for name, fn in (("triton", lce.triton_linear_cross_entropy), ("liger", lce.liger_linear_cross_entropy)):
+        row[f"{name}_ms"] = fp8_decision.median_ms(lambda fn=fn: step(fn), iters=5, warmup=2)
+    row["speedup_vs_liger"] = row["liger_ms"] / row["triton_ms"]
+    gpu_record({"test": "triton_loss_real_vocab", **row})
+    assert row["loss_rel_err"] <= OP_TOL and row["grad_rel_err"] <= OP_TOL, row
+    assert row["triton_ms"] <= 1.15 * row["liger_ms"], row
+
+
 def _model_27b_slice(layers=4):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 

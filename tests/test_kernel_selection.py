@@ -49,7 +49,8 @@ def test_cpu_selection_is_the_reference_with_reasons():
         assert ks.choices[op].rejected == [("liger", "needs a CUDA device (model is on cpu)")]
         assert not ks.choices[op].backend.fallback  # transformers' own math: what runs without the plugin
     assert ("fla", "needs a CUDA device (model is on cpu)") in ks.choices["gated_delta_rule"].rejected
-    assert ks.choices["linear_cross_entropy"].rejected == [("liger", "needs a CUDA device (model is on cpu)")]
+    assert ks.choices["linear_cross_entropy"].rejected == [("liger", "needs a CUDA device (model is on cpu)"),
+                                                           ("triton", "needs a CUDA device (model is on cpu)")]
     assert not ks.choices["linear_cross_entropy"].backend.fallback  # the intended CPU path: `require` accepts it
 
 

@@ -23,6 +23,9 @@ FLA_HINT = "pip install 'flash-linear-attention>=0.5.2', in the [kernels] extra"
 # Liger-Kernel: a dependency of this package (and of Axolotl); missing only from a hand-made environment.
 LIGER_HINT = "pip install liger-kernel"
 
+# Triton: PyTorch's CUDA wheels bring it; missing only from a CPU-only or hand-made environment.
+TRITON_HINT = "pip install triton (PyTorch's CUDA wheels include it)"
+
 # FlashQLA (QwenLM's TileLang GDN kernels): opt-in, `fastqwen_kernel_preference` (README, "Kernels").
 FLASH_QLA_HINT = "pip install flash-qla (TileLang; SM90/SM100 GPUs)"
 
@@ -85,6 +88,10 @@ def has_flash_qla() -> bool:
 def has_liger() -> bool:
     """Liger-Kernel's fused linear cross-entropy (Triton; imports on CPU too, runs on CUDA only)."""
     return importable("liger_kernel")
+
+
+def has_triton() -> bool:
+    return importable("triton")
 
 
 def has_torch_varlen() -> bool:

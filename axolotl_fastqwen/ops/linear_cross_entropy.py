@@ -43,19 +43,40 @@ def linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_tokens: int | None = None,
+    rows_kernel=None,
 ) -> torch.Tensor:
     """Loss of `hidden @ weight.T` against already-shifted `targets`.
 
     hidden `[..., H]`, weight `[V, H]`, targets `[...]`. Returns a 0-dim fp32 tensor: the sum of
     per-token losses over `num_items_in_batch` if given, else their mean; 0 with zero gradients when
     no token counts (where PyTorch would give NaN): such a batch trains nothing, as it should.
+    `rows_kernel`: None, each chunk's loss and gradient from fp32 logits in PyTorch; else
+    `cross_entropy_rows`, on logits in the GEMM's dtype.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(h.device)
     if chunk_tokens is None:
         chunk_tokens = max(1, CHUNK_ELEMENTS // weight.shape[0])
     normalizer = _normalizer(t, num_items_in_batch, ignore_index, torch.promote_types(h.dtype, torch.float32))
-    return _ChunkedLinearCrossEntropy.apply(h, weight, t, normalizer, ignore_index, chunk_tokens)
+    return _ChunkedLinearCrossEntropy.apply(h, weight, t, normalizer, ignore_index, chunk_tokens, rows_kernel)
+
+
+def triton_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """`linear_cross_entropy` with each chunk's loss and logits gradient in one Triton kernel
+    (`cross_entropy_rows.py`), same contract. Why: what Liger's fused loss does, without its three
+    host syncs a step; chunks of `CHUNK_ELEMENTS` logits (1,081 tokens at a 248k vocabulary)."""
+    from .cross_entropy_rows import cross_entropy_rows
+
+    return linear_cross_entropy(hidden, weight, targets, num_items_in_batch=num_items_in_batch,
+                                ignore_index=ignore_index, chunk_tokens=chunk_tokens, rows_kernel=cross_entropy_rows)
 
 
 def liger_linear_cross_entropy(
@@ -124,7 +145,7 @@ def _normalizer(t: torch.Tensor, num_items_in_batch, ignore_index: int, dtype: t
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, normalizer, ignore_index, chunk_tokens):
+    def forward(ctx, h, weight, targets, normalizer, ignore_index, chunk_tokens, rows_kernel):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = torch.promote_types(h.dtype, torch.float32)  # logits and sums in at least fp32
         grad_h = torch.empty_like(h) if need_h else None
@@ -133,22 +154,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk_tokens):
             hc = h[start : start + chunk_tokens]
             tc = targets[start : start + chunk_tokens]
-            logits = (hc @ weight.T).to(acc)
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = tc != ignore_index
-            safe_t = torch.where(valid, tc, 0)
-            picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
-            loss += torch.where(valid, lse - picked, 0.0).sum()
-            if need_h or need_w:
-                # d(sum of losses)/d logits = softmax - onehot(target), zero on ignored rows
-                grad = logits.sub_(lse.unsqueeze(1)).exp_()
-                grad[torch.arange(grad.shape[0], device=grad.device), safe_t] -= 1.0
-                grad *= valid.unsqueeze(1)
-                grad = grad.to(h.dtype)
-                if need_h:
+            if rows_kernel is not None:  # the row losses, and the logits overwritten with their gradient
+                grad = hc @ weight.T
+                loss += rows_kernel(grad, tc, ignore_index, gradient=need_h or need_w).sum()
+            else:
+                logits = (hc @ weight.T).to(acc)
+                lse = torch.logsumexp(logits, dim=-1)
+                valid = tc != ignore_index
+                safe_t = torch.where(valid, tc, 0)
+                picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+                loss += torch.where(valid, lse - picked, 0.0).sum()
+                if need_h or need_w:
+                    # d(sum of losses)/d logits = softmax - onehot(target), zero on ignored rows
+                    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+                    grad[torch.arange(grad.shape[0], device=grad.device), safe_t] -= 1.0
+                    grad *= valid.unsqueeze(1)
+            if not (need_h or need_w):
+                continue
+            grad = grad.to(h.dtype)
+            if need_h:
+                if grad.dtype == weight.dtype == grad_h.dtype:
+                    torch.mm(grad, weight, out=grad_h[start : start + chunk_tokens])
+                else:
                     grad_h[start : start + chunk_tokens] = grad @ weight
-                if need_w:
-                    grad_w += (grad.T @ hc).to(acc)
+            if need_w:
+                grad_w += (grad.T @ hc).to(acc)
         ctx.save_for_backward(grad_h, grad_w, normalizer)
         ctx.weight_dtype = weight.dtype
         return loss / normalizer
@@ -159,7 +189,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss / normalizer
         dh = (grad_h * scale.to(grad_h.dtype)) if grad_h is not None else None
         dw = (grad_w * scale).to(ctx.weight_dtype) if grad_w is not None else None
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
 def reference_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -196,6 +226,9 @@ SPEC = OpSpec("linear_cross_entropy", reference="torch-chunked", check_inputs=ch
 BACKENDS = (
     KernelBackend("linear_cross_entropy", "liger", liger_linear_cross_entropy, 100,
                   on_cuda_with(availability.has_liger, availability.LIGER_HINT), "liger_kernel", limits=liger_limits),
+    # below Liger: chosen only through `fastqwen_kernel_preference` until a same-run benchmark measures it
+    KernelBackend("linear_cross_entropy", "triton", triton_linear_cross_entropy, 90,
+                  on_cuda_with(availability.has_triton, availability.TRITON_HINT), "triton"),
     # chunked matmuls: cuBLAS does the work; the CPU path, and a sound GPU one
     KernelBackend("linear_cross_entropy", "torch-chunked", linear_cross_entropy, 0, always),
 )
