@@ -173,10 +173,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 continue
             grad = grad.to(h.dtype)
             if need_h:
-                if grad.dtype == weight.dtype == grad_h.dtype:
-                    torch.mm(grad, weight, out=grad_h[start : start + chunk_tokens])
-                else:
-                    grad_h[start : start + chunk_tokens] = grad @ weight
+                grad_h[start : start + chunk_tokens] = grad @ weight
             if need_w:
                 grad_w += (grad.T @ hc).to(acc)
         ctx.save_for_backward(grad_h, grad_w, normalizer)
