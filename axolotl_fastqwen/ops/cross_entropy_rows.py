@@ -24,18 +24,20 @@ MAX_BLOCK = 16384  # columns a program takes per step through a row
 
 def cross_entropy_rows_reference(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, *,
                                  gradient: bool = True) -> torch.Tensor:
-    """What the kernel does, in PyTorch fp32 (the oracle of its tests): returns the rows' losses and
-    overwrites `logits` with their gradient."""
-    x = logits.float()
+    """What the kernel does, in PyTorch in at least fp32: returns the rows' losses and overwrites `logits`
+    with their gradient (in place where the logits are fp32 or wider). The chunked loss's PyTorch path
+    (`linear_cross_entropy.py`) and the kernel's oracle."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the logits themselves when fp32 or wider
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0)
     lse = torch.logsumexp(x, dim=-1)
     loss = torch.where(valid, lse - x.gather(1, safe.unsqueeze(1)).squeeze(1), 0.0)
-    if not gradient:
-        return loss
-    grad = (x - lse.unsqueeze(1)).exp()
-    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
-    logits.copy_(grad * valid.unsqueeze(1))
+    if gradient:  # d(row loss)/d logits = softmax - onehot(target), zero on ignored rows
+        grad = x.sub_(lse.unsqueeze(1)).exp_()
+        grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
+        grad *= valid.unsqueeze(1)
+        if grad is not logits:
+            logits.copy_(grad)
     return loss
 
 

@@ -17,6 +17,7 @@ import torch
 from ..hookspecs import hookimpl
 from . import availability
 from .backend import CheckShapes, KernelBackend, OpSpec, always, generator, on_cuda_with, randn
+from .cross_entropy_rows import cross_entropy_rows, cross_entropy_rows_reference
 
 IGNORE_INDEX = -100
 # Elements of fp32 logits held at once (~1 GiB): 1,081 tokens at a 248k vocabulary.
@@ -50,8 +51,8 @@ def linear_cross_entropy(
     hidden `[..., H]`, weight `[V, H]`, targets `[...]`. Returns a 0-dim fp32 tensor: the sum of
     per-token losses over `num_items_in_batch` if given, else their mean; 0 with zero gradients when
     no token counts (where PyTorch would give NaN): such a batch trains nothing, as it should.
-    `rows_kernel`: None, each chunk's loss and gradient from fp32 logits in PyTorch; else
-    `cross_entropy_rows`, on logits in the GEMM's dtype.
+    `rows_kernel`: None, each chunk's loss and gradient from fp32 logits in PyTorch
+    (`cross_entropy_rows_reference`); else `cross_entropy_rows`, on logits in the GEMM's dtype.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(h.device)
@@ -73,8 +74,6 @@ def triton_linear_cross_entropy(
     """`linear_cross_entropy` with each chunk's loss and logits gradient in one Triton kernel
     (`cross_entropy_rows.py`), same contract. Why: what Liger's fused loss does, without its three
     host syncs a step; chunks of `CHUNK_ELEMENTS` logits (1,081 tokens at a 248k vocabulary)."""
-    from .cross_entropy_rows import cross_entropy_rows
-
     return linear_cross_entropy(hidden, weight, targets, num_items_in_batch=num_items_in_batch,
                                 ignore_index=ignore_index, chunk_tokens=chunk_tokens, rows_kernel=cross_entropy_rows)
 
@@ -154,24 +153,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk_tokens):
             hc = h[start : start + chunk_tokens]
             tc = targets[start : start + chunk_tokens]
-            if rows_kernel is not None:  # the row losses, and the logits overwritten with their gradient
-                grad = hc @ weight.T
-                loss += rows_kernel(grad, tc, ignore_index, gradient=need_h or need_w).sum()
-            else:
-                logits = (hc @ weight.T).to(acc)
-                lse = torch.logsumexp(logits, dim=-1)
-                valid = tc != ignore_index
-                safe_t = torch.where(valid, tc, 0)
-                picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
-                loss += torch.where(valid, lse - picked, 0.0).sum()
-                if need_h or need_w:
-                    # d(sum of losses)/d logits = softmax - onehot(target), zero on ignored rows
-                    grad = logits.sub_(lse.unsqueeze(1)).exp_()
-                    grad[torch.arange(grad.shape[0], device=grad.device), safe_t] -= 1.0
-                    grad *= valid.unsqueeze(1)
+            logits = hc @ weight.T
+            if rows_kernel is None:  # PyTorch's ops, on fp32 logits
+                logits = logits.to(acc)
+            # the row losses, and the logits overwritten with their gradient
+            loss += (rows_kernel or cross_entropy_rows_reference)(logits, tc, ignore_index, gradient=need_h or need_w).sum()
             if not (need_h or need_w):
                 continue
-            grad = grad.to(h.dtype)
+            grad = logits.to(h.dtype)
             if need_h:
                 grad_h[start : start + chunk_tokens] = grad @ weight
             if need_w:
