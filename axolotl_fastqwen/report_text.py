@@ -62,6 +62,9 @@ def format_report(d: dict, checkpointing: dict | None = None) -> str:
         lines.append(f"  mlp chunks: {chunks['mlps']} dense MLPs run rows of more than {chunks['chunk_tokens']} tokens "
                      f"in chunks of that many, each recomputed in backward ({chunks['chunked_forwards']} chunked "
                      "forwards so far)")
+    graphs = d.get("moe_cuda_graphs")
+    if graphs is not None:
+        lines.append(f"  moe cuda graphs: {graphs['summary']}")
     offload = d.get("checkpoint_offload")
     if offload is not None and offload.get("mode") == "auto" and not offload["active"]:
         lines.append(f"  checkpoint offload: auto, {offload['why'] or 'off until a training forward decides'}")

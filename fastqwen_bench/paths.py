@@ -147,6 +147,11 @@ PATHS: dict[str, PathSpec] = {
             "syncs a step",
         ),
         PathSpec(
+            "fastqwen+ckpt-auto+lean+moe-graphs", "packed",
+            "MoE only: fastqwen+ckpt-auto+lean with fastqwen_moe_cuda_graphs (the kept layers' sparse MoE blocks "
+            "replay their forward and backward as CUDA graphs once warm, patching/moe_cuda_graphs.py)",
+        ),
+        PathSpec(
             "fastqwen+ckpt-auto+lean+torch-rows", "packed",
             "MoE only: fastqwen+ckpt-auto+lean with the routed experts' row work on PyTorch's ops (the module's own "
             "_apply_gate, a multiply, a gather and a sum, as before ops/routed_swiglu.py and ops/routed_combine.py) "
@@ -207,14 +212,15 @@ LETTERS = {
     "z": "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "A": "fastqwen+ckpt-auto+lean+fp8+offload",
     "B": "fastqwen+ckpt-auto+lean+peft-lora", "C": "fastqwen+ckpt-auto+lean+torch-rows",
     "D": "fastqwen+ckpt-auto+lean+stock-mlp", "E": "fastqwen+ckpt-auto+lean+liger-chunks",
-    "F": "fastqwen+ckpt-auto+lean+triton-loss",
+    "F": "fastqwen+ckpt-auto+lean+triton-loss", "G": "fastqwen+ckpt-auto+lean+moe-graphs",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
     "stock-torch-padded", "stock-moe-eager", "stock-moe-grouped-mm", "stock-fla-padded", "stock-fla-flattening",
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+stock-mlp",
-    "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
+    "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean+moe-graphs",
+    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
     "fastqwen+ckpt-auto+lean+fp8-forward", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
@@ -232,6 +238,7 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
                       "fastqwen+ckpt-auto+lean+stock-mlp": "fastqwen",
                       "fastqwen+ckpt-auto+lean+liger-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+triton-loss": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+moe-graphs": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
@@ -251,7 +258,7 @@ LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqw
                     "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8", "fastqwen+ckpt-auto+lean+fp8-forward",
                     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
                     "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+liger-chunks",
-                    "fastqwen+ckpt-auto+lean+triton-loss",
+                    "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean+moe-graphs",
                     "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                     "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
@@ -268,6 +275,8 @@ PEFT_LORA = ("fastqwen+ckpt-auto+lean+peft-lora",)
 STOCK_MLP = ("fastqwen+ckpt-auto+lean+stock-mlp",)
 # paths whose loss runs on Liger's own chunk sizes (linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS set to 1)
 LIGER_OWN_CHUNKS = ("fastqwen+ckpt-auto+lean+liger-chunks",)
+# MoE paths whose kept layers' sparse blocks replay as CUDA graphs (patch_model(moe_cuda_graphs=True))
+MOE_CUDA_GRAPHS = ("fastqwen+ckpt-auto+lean+moe-graphs",)
 # MoE paths whose routed experts run their row work on PyTorch's ops (not ops/routed_swiglu.py, ops/routed_combine.py)
 TORCH_ROWS = ("fastqwen+ckpt-auto+lean+torch-rows",)
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
@@ -315,8 +324,9 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     fused_lora = name not in PEFT_LORA
     torch_rows = name in TORCH_ROWS
     swiglu_mlps = name not in STOCK_MLP
+    moe_graphs = name in MOE_CUDA_GRAPHS
     liger_min_chunk = 1 if name in LIGER_OWN_CHUNKS else linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS
-    if torch_rows and not registry.family(family).moe:
+    if (torch_rows or moe_graphs) and not registry.family(family).moe:
         raise PathSkipped(f"{family} is a dense model: no routed experts")
     # the plugin line's default is `auto` (on where the checkpointed inputs would crowd the device): the lean
     # paths are the line's defaults plus what each names
@@ -409,7 +419,7 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
         linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS = liger_min_chunk
         try:
             with _plugin(model, device, info, prefer, lean, fp8, input_gradient, mlp_chunk_tokens, offload, fused_lora,
-                         torch_rows, swiglu_mlps):
+                         torch_rows, swiglu_mlps, moe_graphs):
                 yield info
         finally:
             undo.restore()
@@ -459,14 +469,15 @@ def fla_gdn_dispatch() -> str:
 def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | None = None,
             lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
             mlp_chunk_tokens: int | None = None, checkpoint_offload: bool | str = False,
-            fused_lora: bool = True, torch_rows: bool = False, swiglu_mlps: bool = True) -> Iterator[None]:
+            fused_lora: bool = True, torch_rows: bool = False, swiglu_mlps: bool = True,
+            moe_graphs: bool = False) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")
     report = patch_model(model, prefer=prefer, lean_activations=lean, fp8=bool(fp8_tokens),
                          fp8_tokens=fp8_tokens or 8192, fp8_input_gradient=fp8_input_gradient,
                          mlp_chunk_tokens=mlp_chunk_tokens, checkpoint_offload=checkpoint_offload,
-                         fused_lora=fused_lora, swiglu_mlps=swiglu_mlps)
+                         fused_lora=fused_lora, swiglu_mlps=swiglu_mlps, moe_cuda_graphs=moe_graphs)
     info["patch_report"] = report
     experts = experts_modules(unwrap(model)) if torch_rows else []
     for module in experts:  # pinned as the experts self-check pins it when the kernels fail

@@ -200,6 +200,15 @@ def test_fused_lora_default_on_off_by_key_and_aside_for_sharded_weights():
         assert any(n.startswith("fused LoRA off:") and "peft's forward runs" in n for n in settings.notes)
 
 
+def test_moe_cuda_graphs_off_unless_asked_and_aside_for_sharded_weights():
+    assert not settle()[0].moe_cuda_graphs
+    assert settle(fastqwen_moe_cuda_graphs=True)[0].moe_cuda_graphs
+    for cfg in ({"fsdp_config": {"fsdp_version": 2}}, {"deepspeed": "zero3.json"}):
+        settings, _ = settle(fastqwen_moe_cuda_graphs=True, **cfg)
+        assert not settings.moe_cuda_graphs
+        assert any(n.startswith("moe cuda graphs off:") for n in settings.notes)
+
+
 # ---- the keys themselves ---------------------------------------------------------------------
 @pytest.mark.parametrize(("cfg", "message", "paste"), [
     ({"fastqwen_token_budget": 1000}, "got 1000", "fastqwen_token_budget: 1024"),

@@ -107,6 +107,7 @@ class FastQwenPlugin(BasePlugin):
             mlp_chunk_tokens=settings.mlp_chunk_tokens,
             checkpoint_offload=settings.checkpoint_offload,
             fused_lora=settings.fused_lora,
+            moe_cuda_graphs=settings.moe_cuda_graphs,
             log=False,
         )
         if settings.loss_owner:

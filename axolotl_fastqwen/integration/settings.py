@@ -135,6 +135,7 @@ class Settings:
     mlp_chunk_tokens: int | None  # fastqwen_mlp_chunk_tokens: dense MLPs over token chunks at long rows
     checkpoint_offload: bool | Literal["auto"]  # fastqwen_checkpoint_offload: recomputed layers' inputs in host memory
     fused_lora: bool  # fastqwen_fused_lora: peft LoRA linears as one function each
+    moe_cuda_graphs: bool  # fastqwen_moe_cuda_graphs: kept layers' sparse MoE blocks replayed as CUDA graphs
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -343,6 +344,11 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         fused_lora = False
         notes.append(f"fused LoRA off: {', '.join(sharded)} set (their hooks gather each weight when its own module "
                      "runs, and the fused layer reads lora_B's weight without calling lora_B): peft's forward runs")
+    moe_cuda_graphs = args.fastqwen_moe_cuda_graphs
+    if moe_cuda_graphs and sharded:
+        moe_cuda_graphs = False
+        notes.append(f"moe cuda graphs off: {', '.join(sharded)} set (a graph replays the addresses its weights had at "
+                     "capture; sharded weights are gathered anew for each call)")
     chunk, most = args.fastqwen_mlp_chunk_tokens, max(budget, sequence_len * micro_batch_size)
     if chunk is not None and chunk >= most:
         notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "
@@ -366,7 +372,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         axolotl_options=options, patch_layers=patch_layers, checkpointing=checkpointing,
         checkpointing_memory=args.fastqwen_checkpointing_memory, lean_activations=lean, fp8=fp8,
         fp8_input_gradient=args.fastqwen_fp8_input_gradient, mlp_chunk_tokens=args.fastqwen_mlp_chunk_tokens,
-        checkpoint_offload=offload, fused_lora=fused_lora, model_source=cfg.get("base_model_config") or cfg.get("base_model"),
+        checkpoint_offload=offload, fused_lora=fused_lora, moe_cuda_graphs=moe_cuda_graphs, model_source=cfg.get("base_model_config") or cfg.get("base_model"),
         trust_remote_code=bool(cfg.get("trust_remote_code")), revision=cfg.get("revision_of_model"),
         output_dir=cfg.get("output_dir"), decisions=tuple(decisions), notes=tuple(notes))
     return settings, edits

@@ -281,9 +281,10 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
 
 def _arange(n: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`torch.arange(n)`, made once per size and device (the packed rows' shape is static): one launch
-    a layer fewer. Read only: its users index with it or search for it. Traced afresh under torch.compile."""
-    if torch.compiler.is_compiling():
-        return torch.arange(n, device=device, dtype=dtype)
+    a layer fewer. Read only: its users index with it or search for it. Traced afresh under torch.compile, and
+    made afresh inside a CUDA graph capture (`patching/moe_cuda_graphs.py`)."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.arange(n, device=device, dtype=dtype)  # a graph's own (a cached one made in a capture is unset)
     return _cached_arange(n, device, dtype)
 
 

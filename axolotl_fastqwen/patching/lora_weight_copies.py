@@ -29,6 +29,10 @@ ready; one node producing them all at the end would delay that overlap) and unde
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -93,6 +97,23 @@ def _stacked_empty(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> li
 NO_GRADIENTS = "not a training forward (no gradients)"
 
 
+class _Uncopied(threading.local):
+    active = False
+
+
+_UNCOPIED = _Uncopied()
+
+
+@contextlib.contextmanager
+def uncopied() -> Iterator[None]:
+    """Within it no layer reads a copy (a CUDA graph's warm-up and capture: the graph casts for itself)."""
+    before, _UNCOPIED.active = _UNCOPIED.active, True
+    try:
+        yield
+    finally:
+        _UNCOPIED.active = before
+
+
 class LoraWeightCopies:
     """Per training forward: compute-dtype copies of LoRA factors, `(A, s·B)` under a module's id.
 
@@ -153,7 +174,10 @@ class LoraWeightCopies:
 
     def get(self, module: nn.Module, adapter: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor):
         """`(A, s·B)` for this call of `module` with factors `a`, `b`, or None: no copy, another adapter or
-        dtype, or the factors changed since (their version counters: the optimizer's step)."""
+        dtype, the factors changed since (their version counters: the optimizer's step), or a CUDA graph is
+        being warmed up or captured (`uncopied()`: the graph casts the factors itself)."""
+        if _UNCOPIED.active or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return None  # a CUDA graph (patching/moe_cuda_graphs.py) would replay this forward's copies forever
         entry = self.copies.get(id(module))
         if entry is None or entry[0] != adapter or entry[1].dtype != dtype:
             return None

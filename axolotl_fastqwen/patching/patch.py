@@ -28,6 +28,7 @@ from .expert_lora import ExpertAdapters
 from .fp8_weights import Fp8Weights
 from .fused_lora import FusedLora
 from .mlp_chunks import MlpChunks
+from .moe_cuda_graphs import MoeCudaGraphs
 from ..memory.checkpoint_offload import CheckpointOffload
 from ..layers.experts_implementation import describe_experts, experts_implementation, experts_modules, set_experts_implementation
 from ..families.base import FamilyPlan, detect_family, unwrap
@@ -98,6 +99,7 @@ class PatchReport:
     fp8: Fp8Weights | None = field(default=None, repr=False)  # fastqwen_fp8, when on
     mlp_chunks: MlpChunks | None = field(default=None, repr=False)  # fastqwen_mlp_chunk_tokens, when set
     offload: CheckpointOffload | None = field(default=None, repr=False)  # fastqwen_checkpoint_offload, when on
+    moe_graphs: MoeCudaGraphs | None = field(default=None, repr=False)  # fastqwen_moe_cuda_graphs, when on
     fused_lora: FusedLora | None = field(default=None, repr=False)  # peft LoRA linears as one function, when on
 
     def backends(self) -> dict[str, str]:
@@ -144,6 +146,7 @@ class PatchReport:
             "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
             "mlp_chunks": self.mlp_chunks.to_dict() if self.mlp_chunks is not None else None,
             "checkpoint_offload": self.offload.to_dict() if self.offload is not None else None,
+            "moe_cuda_graphs": self.moe_graphs.to_dict() if self.moe_graphs is not None else None,
             "fused_lora": self.fused_lora.to_dict() if self.fused_lora is not None else None,
             "versions": self.versions,
         }
@@ -192,6 +195,7 @@ def patch_model(
     checkpoint_offload: bool | str = False,
     fused_lora: bool = True,
     swiglu_mlps: bool = True,
+    moe_cuda_graphs: bool = False,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -226,6 +230,9 @@ def patch_model(
     swiglu_mlps: the dense SwiGLU MLPs (MoE: the shared experts) compute `silu(gate) · up` with the swiglu
         op, which holds gate and up alone, and mark the product recomputable (`layers/mlp.py`); False leaves
         them stock (the benchmark's before path).
+    moe_cuda_graphs: the sparse MoE blocks of layers that keep their activations replay their forward and
+        backward as CUDA graphs once warm (`patching/moe_cuda_graphs.py`): the same kernels, one launch each
+        way a block; every other call runs eagerly, counted with its reason in the report.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
@@ -282,6 +289,10 @@ def patch_model(
                              "(a sparse block's router outputs are recorded per call for the auxiliary loss)")
     elif mlp_chunk_tokens is not None:
         report.mlp_chunks = MlpChunks.install(decoder_layers, mlp_chunk_tokens)
+    if moe_cuda_graphs and not plan.moe_block:
+        kernels.notes.append(f"moe cuda graphs: not applied: {plan.name} has no sparse MoE block")
+    elif moe_cuda_graphs:
+        report.moe_graphs = MoeCudaGraphs.install(decoder_layers, plan.moe_block)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context, "expert_adapters": expert_adapters,
                                  "experts_before": experts_before}
@@ -346,6 +357,8 @@ def unpatch_model(model: nn.Module) -> None:
         state["report"].mlp_chunks.restore()
     if state["report"].offload is not None:
         state["report"].offload.restore()
+    if state["report"].moe_graphs is not None:
+        state["report"].moe_graphs.restore()
     if state["experts_before"] is not None and experts_implementation(experts_modules(base)[0]) == grouped_experts.GROUPED:
         set_experts_implementation(base, state["experts_before"])
     for module in experts_modules(base):  # routed-row kernels the experts self-check pinned

@@ -1,0 +1,268 @@
+"""The sparse MoE blocks of decoder layers that keep their activations, replayed as CUDA graphs.
+
+The 35B-A3B step is bound by its host: ~5,100 kernel launches a step at 24 layers, the GPU 50-90%
+busy depending on the machine's CPU (benchmarks/h100/2026-12-07c), and the MoE block is about half of
+those launches (router, sort, gather, grouped GEMMs, routed rows, shared expert with its LoRA, each
+way). Its shapes are static (the packer's rows have one shape; the expert offsets stay on the device,
+`layers/grouped_experts.py`) and it reads nothing from the host, so its forward and its backward can
+each be captured once and replayed as one launch, `torch.cuda.make_graphed_callables`' scheme:
+
+- after `WARMUP_CALLS` eager training calls of a block (Triton compiles and autotunes, cuBLAS picks its
+  kernels, the experts self-check runs), the block is run once more on a side stream and then captured:
+  its forward with autograd's graph into the block's own memory pool, and `torch.autograd.grad` of it
+  (the input's and every trainable parameter's gradient) into one pool shared by all blocks' backward
+  graphs (backwards run one at a time);
+- a training call copies its input into the graph's static input, replays the forward, and returns a
+  copy of the static output; its backward copies the output's gradient in, replays the backward, and
+  returns the static gradients (autograd accumulates the parameters' gradients as usual).
+
+The activations autograd would hold for the block live in its pool between the two replays: what a
+kept layer holds anyway. So only layers that keep their activations are replayed; a layer that
+gradient checkpointing recomputes runs the block eagerly (its graph would hold what checkpointing
+frees). Everything else that a replay would not see also runs eagerly, and the report counts each
+reason: no gradients (eval), a shape or autocast state other than the captured one, the router's
+logits being recorded (`output_router_logits`: transformers records them with a forward hook),
+forward hooks on the block's modules, tensors not on a CUDA device, torch.compile. Per-forward copies
+(`lora_weight_copies.py`) are not read while a graph is captured: the graph casts the adapters
+itself. A backward whose block has replayed another forward since raises instead of training on the
+wrong activations; weights that moved (`.to()`, a reload) are captured again.
+
+Opt-in (`fastqwen_moe_cuda_graphs`); `restore()` gives every block its forward back and drops the graphs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .instance_forward import replace_forward, restore_forward
+from .lora_weight_copies import uncopied
+
+KEY = "_fastqwen_moe_cuda_graphs"  # where `replace_forward` keeps the block's own forward
+WARMUP_CALLS = 2  # eager training calls of a block before its capture
+TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' output recorder (a no-op unless recording)
+
+
+def _router_logits_recorded() -> bool:
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # transformers before 5.x returned them from the block's call: nothing to miss
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "router_logits" in collected
+
+
+def _hooked(modules: list[tuple[str, nn.Module]]) -> str | None:
+    """A module of the block whose forward hooks a replay would skip (transformers' inactive recorder aside)."""
+    for name, module in modules:
+        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        if any(getattr(h, "__name__", "") != TRANSFORMERS_RECORDER for h in hooks):
+            return name or "the block"
+    return None
+
+
+def _autocast_state(device_type: str = "cuda") -> tuple:
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+
+class BlockGraph:
+    """One block's captured forward and backward, and the static tensors they read and write."""
+
+    def __init__(self, block: nn.Module, original, x: torch.Tensor, owner: MoeCudaGraphs):
+        self.key = _key(x)
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.pointers = _pointers(block)
+        self.generation = 0  # forward replays so far: a backward must follow its own forward
+        self.pool_bytes = 0
+        self.static_x = torch.empty_like(x).copy_(x.detach()).requires_grad_(True)
+        enabled, dtype = _autocast_state(x.device.type)
+        autocast = torch.autocast(x.device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
+        identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # not the layer's own hooks
+        with autocast, identity, uncopied():
+            self._capture(original, x.device, owner)
+
+    def _capture(self, original, device: torch.device, owner: MoeCudaGraphs) -> None:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # one eager run on the capture's stream first, as CUDA graphs ask
+            out = original(self.static_x)
+            self.static_grad_out = torch.zeros_like(out)
+            torch.autograd.grad(out, (self.static_x, *self.params), self.static_grad_out, allow_unused=True)
+            del out
+        torch.cuda.current_stream(device).wait_stream(side)
+        before = torch.cuda.memory_reserved(device)
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=torch.cuda.graph_pool_handle()):
+            self.static_out = original(self.static_x)
+        with torch.cuda.graph(self.backward_graph, pool=owner.backward_pool()):
+            # retain_graph: the activations stay allocated tensors (they are the forward graph's at every
+            # replay), so the allocator's statistics, which `fastqwen_checkpointing: auto` reads, count them
+            grads = torch.autograd.grad(self.static_out, (self.static_x, *self.params), self.static_grad_out,
+                                        retain_graph=True, allow_unused=True)
+        self.static_grad_x, self.static_grads = grads[0], grads[1:]
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before
+
+    def replay_forward(self) -> None:
+        self.forward_graph.replay()
+
+    def replay_backward(self) -> None:
+        self.backward_graph.replay()
+
+    def matches(self, block: nn.Module, x: torch.Tensor) -> str | None:
+        """Why this graph cannot replay for `x` ("moved": capture again), or None."""
+        if _key(x) != self.key:
+            return "another shape, dtype or autocast state than the captured one"
+        if [id(p) for p in block.parameters() if p.requires_grad] != [id(p) for p in self.params] \
+                or _pointers(block) != self.pointers:
+            return "moved"
+        return None
+
+
+def _key(x: torch.Tensor) -> tuple:
+    return (tuple(x.shape), x.dtype, x.device, _autocast_state(x.device.type))
+
+
+def _pointers(block: nn.Module) -> list[int]:
+    return [t.data_ptr() for t in (*block.parameters(), *block.buffers())]
+
+
+class _Replay(torch.autograd.Function):
+    """The block as one node: its forward graph replayed, and its backward graph in backward."""
+
+    @staticmethod
+    def forward(ctx, graph: BlockGraph, x: torch.Tensor, *params: torch.Tensor):
+        graph.static_x.detach().copy_(x)
+        graph.replay_forward()
+        graph.generation += 1
+        ctx.graph, ctx.generation = graph, graph.generation
+        return graph.static_out.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        graph = ctx.graph
+        if graph.generation != ctx.generation:
+            raise RuntimeError(
+                "fastqwen_moe_cuda_graphs: this MoE block ran another training forward after the one being "
+                "backpropagated, so its graph no longer holds that forward's activations. Run backward after "
+                "each training forward (as the Trainer does), or set fastqwen_moe_cuda_graphs: false.")
+        graph.static_grad_out.copy_(grad_out)
+        graph.replay_backward()
+        # the static gradients themselves: they are referenced here, so autograd copies or adds them, never keeps them
+        return (None, graph.static_grad_x, *graph.static_grads)
+
+
+@dataclass
+class MoeCudaGraphs:
+    """The replayed MoE blocks of one model, what ran eagerly and why, and how to give the forwards back."""
+
+    blocks: list[nn.Module] = field(default_factory=list)
+    layer_of: dict[int, nn.Module] = field(default_factory=dict, repr=False)
+    modules_of: dict[int, list] = field(default_factory=dict, repr=False)  # each block's (name, module)s
+    graphs: dict[int, BlockGraph] = field(default_factory=dict, repr=False)
+    warm: Counter = field(default_factory=Counter, repr=False)
+    replays: int = 0
+    captures: int = 0
+    eager: Counter = field(default_factory=Counter)
+    failed: str | None = None  # a capture that raised: every block runs eagerly from then on
+    devices: tuple[str, ...] = ("cuda",)  # where blocks are captured
+    graph_class: type = field(default=BlockGraph, repr=False)
+    _backward_pool: object = field(default=None, repr=False)
+
+    @classmethod
+    def install(cls, layers: list[nn.Module], block_classes: tuple[type, ...]) -> MoeCudaGraphs:
+        self = cls()
+        for layer in layers:
+            block = getattr(layer, "mlp", None)
+            if type(block) not in block_classes or KEY in block.__dict__:
+                continue
+            self.layer_of[id(block)] = layer
+            self.modules_of[id(block)] = list(block.named_modules())
+            replace_forward(block, KEY, lambda original, block=block: _GraphedForward(block, original, self))
+            self.blocks.append(block)
+        return self
+
+    def why_eager(self, block: nn.Module, x: torch.Tensor) -> str | None:
+        """Why this call of `block` runs its own forward, or None (replay, or capture first)."""
+        if self.failed is not None:
+            return "a capture failed (see the report)"
+        if not torch.is_grad_enabled():
+            return "no gradients (eval)"
+        if x.device.type not in self.devices:
+            return "not on a CUDA device"
+        if torch.compiler.is_compiling():
+            return "under torch.compile"
+        if not x.requires_grad:
+            return "an input without gradient"
+        layer = self.layer_of[id(block)]
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            return "the layer recomputes its activations (gradient checkpointing)"
+        if _router_logits_recorded():
+            return "the router's logits are recorded (output_router_logits)"
+        hooked = _hooked(self.modules_of[id(block)])
+        if hooked is not None:
+            return f"forward hooks on {hooked}"
+        return None
+
+    def backward_pool(self):
+        """The memory pool every block's backward graph is captured into (they replay one at a time)."""
+        if self._backward_pool is None:
+            self._backward_pool = torch.cuda.graph_pool_handle()
+        return self._backward_pool
+
+    def restore(self) -> None:
+        for block in self.blocks:
+            restore_forward(block, KEY)
+        self.blocks.clear()
+        self.graphs.clear()
+
+    def pool_bytes(self) -> int:
+        return sum(g.pool_bytes for g in self.graphs.values())
+
+    def to_dict(self) -> dict:
+        return {"blocks": len(self.blocks), "captured": len(self.graphs), "captures": self.captures,
+                "replays": self.replays, "eager_calls": dict(self.eager), "failed": self.failed,
+                "pool_bytes": self.pool_bytes(), "summary": self.describe()}
+
+    def describe(self) -> str:
+        eager = ", ".join(f"{n} ({why})" for why, n in self.eager.most_common()) or "none"
+        state = f"capture failed: {self.failed}; " if self.failed else ""
+        return (f"{state}{len(self.graphs)} of {len(self.blocks)} sparse blocks captured, {self.replays} replays, "
+                f"{self.pool_bytes() / 2**30:.2f} GiB of graph pools; eager calls: {eager}")
+
+
+class _GraphedForward:
+    """One block's instance forward: its graph replayed where it can be, its own forward otherwise."""
+
+    def __init__(self, block: nn.Module, original, owner: MoeCudaGraphs):
+        self.block, self.original, self.owner = block, original, owner
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        owner, key = self.owner, id(self.block)
+        why = "extra arguments" if args or kwargs else owner.why_eager(self.block, x)
+        graph = owner.graphs.get(key)
+        if why is None and graph is not None:
+            why = graph.matches(self.block, x)
+            if why == "moved":  # the weights were replaced: capture again
+                del owner.graphs[key]
+                graph, why = None, None
+        if why is None and graph is None and owner.warm[key] < WARMUP_CALLS:
+            owner.warm[key] += 1
+            why = "warm-up"
+        if why is not None:
+            owner.eager[why] += 1
+            return self.original(x, *args, **kwargs)
+        if graph is None:
+            try:
+                graph = owner.graphs[key] = owner.graph_class(self.block, self.original, x, owner)
+            except Exception as error:  # noqa: BLE001 - any capture failure: eager from now on, named in the report
+                owner.failed = f"{type(error).__name__}: {error}"
+                owner.graphs.clear()
+                owner.eager["a capture failed (see the report)"] += 1
+                return self.original(x, *args, **kwargs)
+            owner.captures += 1
+        owner.replays += 1
+        return _Replay.apply(graph, x, *graph.params)
+

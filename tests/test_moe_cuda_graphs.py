@@ -1,0 +1,231 @@
+"""The kept layers' sparse MoE blocks replayed as CUDA graphs (`patching/moe_cuda_graphs.py`).
+
+A CUDA graph is captured and replayed only on a GPU (`test_gpu_kernels.py::test_moe_cuda_graphs_*`).
+Here the same protocol runs with the two graphs stood in by eager calls that keep its contract: the
+forward "replay" reads only the graph's static input and leaves its output and activations in the
+graph object; the backward "replay" reads only the static output gradient and writes the static
+gradients, which `_Replay` hands to autograd. What these tests check against the reference (the same
+model trained with the option off, bf16 autocast over fp32 adapters as the Trainer runs LoRA) is the
+rest: which calls replay and which run eagerly and why, that autograd gets the input's and every
+adapter's gradient from the graph (accumulated over micro-batches), the guard against a backward after
+another forward, and that `unpatch_model` gives every block its own forward back. Tolerance: the
+stand-in runs the same ops in the same order, so the losses and gradients must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from axolotl_fastqwen import patch_model, unpatch_model
+from axolotl_fastqwen.patching import lora_weight_copies, moe_cuda_graphs
+from axolotl_fastqwen.patching.moe_cuda_graphs import BlockGraph, MoeCudaGraphs
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers.integrations.moe")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class EagerGraph(BlockGraph):
+    """The two graphs of `BlockGraph` as eager calls under its contract (static tensors in and out)."""
+
+    def _capture(self, original, device, owner) -> None:
+        self.original, self.autocast = original, moe_cuda_graphs._autocast_state(device.type)
+        self.static_grad_out = torch.zeros_like(original(self.static_x.detach()))
+        self.static_out = self.static_grad_out.clone()
+        self.static_grad_x = torch.zeros_like(self.static_x)
+        self.static_grads = [torch.zeros_like(p) for p in self.params]
+        self._out = None
+
+    def replay_forward(self) -> None:
+        enabled, dtype = self.autocast
+        with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=False):
+            self._out = self.original(self.static_x)
+        self.static_out.copy_(self._out)
+
+    def replay_backward(self) -> None:
+        grads = torch.autograd.grad(self._out, (self.static_x, *self.params), self.static_grad_out, allow_unused=True)
+        self.static_grad_x.copy_(grads[0])
+        for static, g in zip(self.static_grads, grads[1:]):
+            static.copy_(g)
+
+
+def _model(gc: bool = False):
+    """Qwen3.5-MoE with LoRA on attention, Gated DeltaNet and the shared expert: the base in bf16, the
+    adapters in fp32 (peft's default under the Trainer's `bf16: true`)."""
+    from test_patching import model_for
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(model_for("qwen3_5_moe"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = model.to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    return model
+
+
+def _batch(model, seed: int):
+    from test_patching import packed_batch, sequences
+
+    return packed_batch(sequences(model.config.vocab_size, [40, 31, 57], seed=seed), budget=128)
+
+
+def _graphs(monkeypatch, model, on: bool):
+    report = patch_model(model, fused_cross_entropy=False, moe_cuda_graphs=on, log=False)
+    if on:
+        monkeypatch.setattr(report.moe_graphs, "devices", ("cpu",))
+        monkeypatch.setattr(report.moe_graphs, "graph_class", EagerGraph)
+    return report
+
+
+def _train(model, steps: int, micro_batches: int = 1):
+    """`steps` AdamW steps of `micro_batches` forward + backward each under bf16 autocast: (losses, the
+    gradients of the last step)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads = [], {}
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(micro_batches):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**_batch(model, seed=10 * step + micro)).loss
+            loss.backward()
+            losses.append(float(loss.detach()))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_replayed_blocks_train_as_the_eager_ones(micro_batches, monkeypatch):
+    """Five AdamW steps: every loss and the last step's gradients (the shared experts' adapters among them,
+    accumulated over micro-batches where there are two) are the eager run's bit for bit; the first
+    `WARMUP_CALLS` training calls of each block ran eagerly, then each block was captured once and
+    replayed from then on; an eval forward runs eagerly and says so."""
+    reference = _model()
+    _graphs(monkeypatch, reference, on=False)
+    ref_losses, ref_grads = _train(reference, steps=5, micro_batches=micro_batches)
+
+    model = _model()
+    report = _graphs(monkeypatch, model, on=True)
+    losses, grads = _train(model, steps=5, micro_batches=micro_batches)
+    graphs = report.moe_graphs
+    blocks = model.config.num_hidden_layers
+    calls = 5 * micro_batches
+    assert losses == ref_losses
+    assert grads.keys() == ref_grads.keys() and any("shared_expert" in n for n in grads)
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), name
+    assert graphs.captures == len(graphs.graphs) == blocks
+    assert graphs.eager == {"warm-up": moe_cuda_graphs.WARMUP_CALLS * blocks}
+    assert graphs.replays == (calls - moe_cuda_graphs.WARMUP_CALLS) * blocks
+
+    with torch.no_grad():
+        model(**_batch(model, seed=99))
+    assert graphs.eager["no gradients (eval)"] == blocks
+    assert f"{blocks} of {blocks} sparse blocks captured" in report.format()
+
+
+def test_layers_that_gradient_checkpointing_recomputes_run_the_block_eagerly(monkeypatch):
+    """A recomputed layer's graph would hold the activations checkpointing frees: its block runs eagerly
+    (counted), and the run is the eager one's; layers that keep their activations (transformers' per-layer
+    flag, which `fastqwen_checkpointing: auto` sets) replay."""
+    reference = _model(gc=True)
+    _graphs(monkeypatch, reference, on=False)
+    ref_losses, ref_grads = _train(reference, steps=3)
+
+    model = _model(gc=True)
+    report = _graphs(monkeypatch, model, on=True)
+    losses, grads = _train(model, steps=3)
+    graphs = report.moe_graphs
+    blocks = model.config.num_hidden_layers
+    assert losses == ref_losses and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+    assert graphs.replays == 0 and graphs.eager == {  # each step's forward and its recompute
+        "the layer recomputes its activations (gradient checkpointing)": 2 * 3 * blocks}
+
+    layers = model.base_model.model.model.layers
+    layers[-1].gradient_checkpointing = False  # as auto keeps the last layer
+    _train(model, steps=4)
+    assert graphs.captures == 1 and graphs.replays == 4 - moe_cuda_graphs.WARMUP_CALLS
+
+
+def test_a_backward_after_another_forward_of_the_block_raises(monkeypatch):
+    """Two training forwards, then the first one's backward: the graph holds the second one's
+    activations, so the backward says so instead of training on them."""
+    model = _model()
+    _graphs(monkeypatch, model, on=True)
+    _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)  # captured and replayed once
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = model(**_batch(model, seed=1)).loss
+        model(**_batch(model, seed=2))
+    with pytest.raises(RuntimeError, match="ran another training forward after the one being backpropagated"):
+        first.backward()
+
+
+def test_router_logits_recorded_and_hooks_run_the_block_eagerly(monkeypatch):
+    """transformers records the router's logits (`output_router_logits`, the auxiliary loss) with a forward
+    hook that a replay would skip, and so would any other hook on a module of the block: both run eagerly,
+    and the auxiliary loss is the eager run's."""
+    reference = _model()
+    _graphs(monkeypatch, reference, on=False)
+    model = _model()
+    report = _graphs(monkeypatch, model, on=True)
+    _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
+    _train(reference, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
+    replays = report.moe_graphs.replays
+    batch = _batch(model, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = model(**batch, output_router_logits=True)
+        theirs = reference(**batch, output_router_logits=True)
+    assert torch.equal(ours.aux_loss, theirs.aux_loss) and torch.equal(ours.loss, theirs.loss)
+    blocks = model.config.num_hidden_layers
+    assert report.moe_graphs.eager["the router's logits are recorded (output_router_logits)"] == blocks
+    assert report.moe_graphs.replays == replays
+
+    block = model.base_model.model.model.layers[0].mlp
+    seen = []
+    handle = block.shared_expert.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch).loss.backward()
+    handle.remove()
+    assert len(seen) == 1 and report.moe_graphs.eager["forward hooks on shared_expert"] == 1
+
+
+def test_unpatch_gives_every_block_its_forward_back(monkeypatch):
+    model = _model()
+    blocks = [layer.mlp for layer in model.base_model.model.model.layers]
+    before = [dict(b.__dict__) for b in blocks]
+    report = _graphs(monkeypatch, model, on=True)
+    assert len(report.moe_graphs.blocks) == len(blocks)
+    _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
+    unpatch_model(model)
+    assert [set(b.__dict__) for b in blocks] == [set(d) for d in before]
+    assert report.moe_graphs.graphs == {}
+
+
+def test_dense_models_say_there_is_nothing_to_capture():
+    from test_patching import model_for
+
+    report = patch_model(model_for("qwen3_5"), fused_cross_entropy=False, moe_cuda_graphs=True, log=False)
+    assert report.moe_graphs is None
+    assert any("moe cuda graphs: not applied" in note for note in report.kernels.notes)
+
+
+def test_per_forward_adapter_copies_are_not_read_while_a_graph_is_captured(monkeypatch):
+    """A graph captured with this forward's cast copies would read those addresses at every replay, after
+    they were freed: while a capture runs, `get` has no copy to give (the graph casts the adapters)."""
+    copies = lora_weight_copies.LoraWeightCopies(needs_autocast=False)
+    module = torch.nn.Linear(4, 4)
+    a, b = torch.randn(2, 4), torch.randn(4, 2)
+    with torch.no_grad():
+        cast = lora_weight_copies.cast_scaled([a, b], (1.0, 2.0), torch.bfloat16)
+    copies.copies[id(module)] = ("default", cast[0], cast[1], a._version, b._version)
+    assert copies.get(module, "default", torch.bfloat16, a, b) is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert copies.get(module, "default", torch.bfloat16, a, b) is None
