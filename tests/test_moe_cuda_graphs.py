@@ -216,6 +216,29 @@ def test_dense_models_say_there_is_nothing_to_capture():
     assert any("moe cuda graphs: not applied" in note for note in report.kernels.notes)
 
 
+def test_replayed_blocks_adapters_cast_for_themselves_and_recomputed_ones_use_the_copies(monkeypatch):
+    """The shared experts' adapters leave the per-forward copies while their layer keeps its activations (the
+    copies' backward node would hold their gradient accumulators on the default stream, where a capture on
+    another stream cannot wait), and use them again where the layer recomputes them (no graph there)."""
+    from axolotl_fastqwen.patching.fused_lora import peft_linear_layers
+
+    model = _model(gc=True)
+    layers = model.base_model.model.model.layers
+    for layer in layers:  # every layer kept, as auto keeps them where they fit
+        layer.gradient_checkpointing = False
+    report = _graphs(monkeypatch, model, on=True)
+    _train(model, steps=1)
+    in_blocks = [m for m in peft_linear_layers(model) if any(m is n for layer in layers for n in layer.mlp.modules())]
+    adapted = len(peft_linear_layers(model))
+    assert in_blocks and report.fused_lora.copies.layers == adapted - len(in_blocks)
+    for layer in layers:
+        layer.gradient_checkpointing = True
+    _train(model, steps=1)
+    assert report.fused_lora.copies.layers == adapted
+    unpatch_model(model)
+    assert not any(lora_weight_copies.CASTS_ITSELF in m.__dict__ for m in model.modules())
+
+
 def test_per_forward_adapter_copies_are_not_read_while_a_graph_is_captured(monkeypatch):
     """A graph captured with this forward's cast copies would read those addresses at every replay, after
     they were freed: while a capture runs, `get` has no copy to give (the graph casts the adapters)."""

@@ -95,6 +95,15 @@ def _stacked_empty(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> li
 
 
 NO_GRADIENTS = "not a training forward (no gradients)"
+# set on a module whose forward a CUDA graph replays (`moe_cuda_graphs.py`): a callable, True while the module must
+# cast its factors itself. The copies' one backward node would otherwise hold its factors' gradient accumulators,
+# made on the default stream, and the graph's backward capture, on its own stream, would wait on that stream.
+CASTS_ITSELF = "_fastqwen_casts_itself"
+
+
+def casts_itself(module: nn.Module) -> bool:
+    says = module.__dict__.get(CASTS_ITSELF)
+    return bool(says is not None and says())
 
 
 class _Uncopied(threading.local):
@@ -140,7 +149,8 @@ class LoraWeightCopies:
         if why is not None:
             self.state = why
             return
-        chosen = [e for e in entries if not (e[2].dtype == e[5] and e[3].dtype == e[5])]  # else nothing is cast
+        chosen = [e for e in entries if not (e[2].dtype == e[5] and e[3].dtype == e[5])  # else nothing is cast
+                  and not casts_itself(e[0])]
         if not chosen:
             self.state = "unused: every adapter is in its compute dtype already"
             return

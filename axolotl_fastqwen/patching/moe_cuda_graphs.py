@@ -22,9 +22,13 @@ gradient checkpointing recomputes runs the block eagerly (its graph would hold w
 frees). Everything else that a replay would not see also runs eagerly, and the report counts each
 reason: no gradients (eval), a shape or autocast state other than the captured one, the router's
 logits being recorded (`output_router_logits`: transformers records them with a forward hook),
-forward hooks on the block's modules, tensors not on a CUDA device, torch.compile. Per-forward copies
-(`lora_weight_copies.py`) are not read while a graph is captured: the graph casts the adapters
-itself. A backward whose block has replayed another forward since raises instead of training on the
+forward hooks on the block's modules, tensors not on a CUDA device, torch.compile. The adapters of a
+block whose layer keeps its activations cast their own factors, inside the graph, instead of reading
+the per-forward copies (`lora_weight_copies.py`): the copies' backward node holds its factors' gradient
+accumulators, made on the default stream, and a backward captured on another stream that reaches them
+waits on the default stream, which invalidates the capture (cudaErrorStreamCaptureInvalidated on an
+H100, benchmarks/h100/2026-12-07d). A capture that fails leaves every block eager, and the report
+says in which phase and why. A backward whose block has replayed another forward since raises instead of training on the
 wrong activations; weights that moved (`.to()`, a reload) are captured again.
 
 Opt-in (`fastqwen_moe_cuda_graphs`); `restore()` gives every block its forward back and drops the graphs.
@@ -32,6 +36,7 @@ Opt-in (`fastqwen_moe_cuda_graphs`); `restore()` gives every block its forward b
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,7 +44,7 @@ import torch
 from torch import nn
 
 from .instance_forward import replace_forward, restore_forward
-from .lora_weight_copies import uncopied
+from .lora_weight_copies import CASTS_ITSELF, uncopied
 
 KEY = "_fastqwen_moe_cuda_graphs"  # where `replace_forward` keeps the block's own forward
 WARMUP_CALLS = 2  # eager training calls of a block before its capture
@@ -85,6 +90,7 @@ class BlockGraph:
             self._capture(original, x.device, owner)
 
     def _capture(self, original, device: torch.device, owner: MoeCudaGraphs) -> None:
+        owner.phase = "warm-up on the capture's stream"
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # one eager run on the capture's stream first, as CUDA graphs ask
@@ -95,13 +101,13 @@ class BlockGraph:
         torch.cuda.current_stream(device).wait_stream(side)
         before = torch.cuda.memory_reserved(device)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        owner.phase = "forward capture"
         with torch.cuda.graph(self.forward_graph, pool=torch.cuda.graph_pool_handle()):
             self.static_out = original(self.static_x)
+        owner.phase = "backward capture"
         with torch.cuda.graph(self.backward_graph, pool=owner.backward_pool()):
-            # retain_graph: the activations stay allocated tensors (they are the forward graph's at every
-            # replay), so the allocator's statistics, which `fastqwen_checkpointing: auto` reads, count them
             grads = torch.autograd.grad(self.static_out, (self.static_x, *self.params), self.static_grad_out,
-                                        retain_graph=True, allow_unused=True)
+                                        allow_unused=True)
         self.static_grad_x, self.static_grads = grads[0], grads[1:]
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
 
@@ -167,6 +173,7 @@ class MoeCudaGraphs:
     captures: int = 0
     eager: Counter = field(default_factory=Counter)
     failed: str | None = None  # a capture that raised: every block runs eagerly from then on
+    phase: str = ""  # where the capture under way is (for the report, when one fails)
     devices: tuple[str, ...] = ("cuda",)  # where blocks are captured
     graph_class: type = field(default=BlockGraph, repr=False)
     _backward_pool: object = field(default=None, repr=False)
@@ -180,6 +187,8 @@ class MoeCudaGraphs:
                 continue
             self.layer_of[id(block)] = layer
             self.modules_of[id(block)] = list(block.named_modules())
+            for _, module in self.modules_of[id(block)]:
+                module.__dict__[CASTS_ITSELF] = functools.partial(self.casts_itself, block)
             replace_forward(block, KEY, lambda original, block=block: _GraphedForward(block, original, self))
             self.blocks.append(block)
         return self
@@ -206,6 +215,12 @@ class MoeCudaGraphs:
             return f"forward hooks on {hooked}"
         return None
 
+    def casts_itself(self, block: nn.Module) -> bool:
+        """Whether the block's adapters cast their own factors (per-forward copies: `lora_weight_copies.py`):
+        while its layer keeps its activations, so that its graph can be captured (and is replayed)."""
+        layer = self.layer_of[id(block)]
+        return self.failed is None and not (getattr(layer, "gradient_checkpointing", False) and layer.training)
+
     def backward_pool(self):
         """The memory pool every block's backward graph is captured into (they replay one at a time)."""
         if self._backward_pool is None:
@@ -215,6 +230,8 @@ class MoeCudaGraphs:
     def restore(self) -> None:
         for block in self.blocks:
             restore_forward(block, KEY)
+            for _, module in self.modules_of[id(block)]:
+                module.__dict__.pop(CASTS_ITSELF, None)
         self.blocks.clear()
         self.graphs.clear()
 
@@ -258,7 +275,8 @@ class _GraphedForward:
             try:
                 graph = owner.graphs[key] = owner.graph_class(self.block, self.original, x, owner)
             except Exception as error:  # noqa: BLE001 - any capture failure: eager from now on, named in the report
-                owner.failed = f"{type(error).__name__}: {error}"
+                owner.failed = f"{owner.phase} of {type(self.block).__name__} raised {type(error).__name__}: " + \
+                    str(error).strip().splitlines()[0]
                 owner.graphs.clear()
                 owner.eager["a capture failed (see the report)"] += 1
                 return self.original(x, *args, **kwargs)
