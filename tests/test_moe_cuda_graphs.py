@@ -152,6 +152,10 @@ def test_layers_that_gradient_checkpointing_recomputes_run_the_block_eagerly(mon
     layers[-1].gradient_checkpointing = False  # as auto keeps the last layer
     _train(model, steps=4)
     assert graphs.captures == 1 and graphs.replays == 4 - moe_cuda_graphs.WARMUP_CALLS
+    graph = graphs.graphs[id(layers[-1].mlp)]
+    layers[-1].gradient_checkpointing = True  # as auto gives a period back: the graph's memory is freed
+    _train(model, steps=1)
+    assert graphs.graphs == {} and graph.static_x is None and graphs.replays == 4 - moe_cuda_graphs.WARMUP_CALLS
 
 
 def test_a_backward_after_another_forward_of_the_block_raises(monkeypatch):

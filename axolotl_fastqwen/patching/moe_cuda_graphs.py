@@ -47,7 +47,10 @@ from .instance_forward import replace_forward, restore_forward
 from .lora_weight_copies import CASTS_ITSELF, uncopied
 
 KEY = "_fastqwen_moe_cuda_graphs"  # where `replace_forward` keeps the block's own forward
-WARMUP_CALLS = 2  # eager training calls of a block before its capture
+WARMUP_CALLS = 2  # eager training calls of a block before its capture, with no layer's checkpointing changed
+# a block is captured only where the device has this much free beside what its forward holds for its backward
+# (measured in the warm-up) times ROOM_FACTOR: its pool's own segments, and the allocator's rounding
+ROOM_FACTOR, ROOM_MARGIN = 1.25, 512 * 2**20
 TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' output recorder (a no-op unless recording)
 
 
@@ -94,22 +97,41 @@ class BlockGraph:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # one eager run on the capture's stream first, as CUDA graphs ask
+            before = torch.cuda.memory_allocated(device)
             out = original(self.static_x)
+            held = torch.cuda.memory_allocated(device) - before  # what the forward leaves for its backward
             self.static_grad_out = torch.zeros_like(out)
             torch.autograd.grad(out, (self.static_x, *self.params), self.static_grad_out, allow_unused=True)
             del out
         torch.cuda.current_stream(device).wait_stream(side)
-        before = torch.cuda.memory_reserved(device)
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's cache
+        need = int(ROOM_FACTOR * held) + ROOM_MARGIN
+        if free < need:
+            raise NoRoom(f"no room for its graph ({need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free)")
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.pool = torch.cuda.graph_pool_handle()
         owner.phase = "forward capture"
-        with torch.cuda.graph(self.forward_graph, pool=torch.cuda.graph_pool_handle()):
+        with torch.cuda.graph(self.forward_graph, pool=self.pool):
             self.static_out = original(self.static_x)
         owner.phase = "backward capture"
         with torch.cuda.graph(self.backward_graph, pool=owner.backward_pool()):
             grads = torch.autograd.grad(self.static_out, (self.static_x, *self.params), self.static_grad_out,
                                         allow_unused=True)
+        # the capture's autograd graph is done with: dropped, so that nothing it holds (a custom function's
+        # tensors kept on its ctx) stays allocated; the replays use the pool's addresses, not these objects
+        self.static_out = self.static_out.detach()
         self.static_grad_x, self.static_grads = grads[0], grads[1:]
-        self.pool_bytes = torch.cuda.memory_reserved(device) - before
+        self.pool_bytes = pool_bytes(device, self.pool)
+
+    def release(self) -> None:
+        """Free the graphs and their memory now (an autograd node of a failed step may still refer to this)."""
+        for graph in (getattr(self, "forward_graph", None), getattr(self, "backward_graph", None)):
+            if graph is not None:
+                graph.reset()
+        self.forward_graph = self.backward_graph = None
+        self.static_x = self.static_out = self.static_grad_out = self.static_grad_x = None
+        self.static_grads = ()
 
     def replay_forward(self) -> None:
         self.forward_graph.replay()
@@ -125,6 +147,21 @@ class BlockGraph:
                 or _pointers(block) != self.pointers:
             return "moved"
         return None
+
+
+def pool_bytes(device: torch.device, pool) -> int | None:
+    """The device memory the allocator's segments of graph pool `pool` take (None where the snapshot has no
+    pool ids). The reserved total cannot say it: a capture empties the allocator's cache first."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+        return sum(s["total_size"] for s in segments
+                   if tuple(s["segment_pool_id"]) == tuple(pool) and s["device"] == device.index)
+    except (KeyError, TypeError, RuntimeError):
+        return None
+
+
+class NoRoom(RuntimeError):
+    """Not enough free device memory for a block's graph: that block runs eagerly, the others are unaffected."""
 
 
 def _key(x: torch.Tensor) -> tuple:
@@ -149,6 +186,9 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         graph = ctx.graph
+        if graph.static_grad_out is None:
+            raise RuntimeError("fastqwen_moe_cuda_graphs: this MoE block's graph was released (unpatch_model, or its "
+                               "layer went back to gradient checkpointing) before this backward ran.")
         if graph.generation != ctx.generation:
             raise RuntimeError(
                 "fastqwen_moe_cuda_graphs: this MoE block ran another training forward after the one being "
@@ -174,6 +214,8 @@ class MoeCudaGraphs:
     eager: Counter = field(default_factory=Counter)
     failed: str | None = None  # a capture that raised: every block runs eagerly from then on
     phase: str = ""  # where the capture under way is (for the report, when one fails)
+    kept: tuple = ()  # each layer's gradient checkpointing flag at the last call: a change restarts the warm-up
+    last_no_room: str | None = None  # the last block left eager for want of memory, and the numbers
     devices: tuple[str, ...] = ("cuda",)  # where blocks are captured
     graph_class: type = field(default=BlockGraph, repr=False)
     _backward_pool: object = field(default=None, repr=False)
@@ -207,7 +249,14 @@ class MoeCudaGraphs:
             return "an input without gradient"
         layer = self.layer_of[id(block)]
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            dropped = self.graphs.pop(id(block), None)  # auto gave the layer back between steps: free its pool
+            if dropped is not None:
+                dropped.release()
             return "the layer recomputes its activations (gradient checkpointing)"
+        kept = tuple(bool(getattr(m, "gradient_checkpointing", False)) for m in self.layer_of.values())
+        if kept != self.kept:  # `fastqwen_checkpointing: auto` is still choosing: capture once it has chosen
+            self.kept = kept
+            self.warm.clear()
         if _router_logits_recorded():
             return "the router's logits are recorded (output_router_logits)"
         hooked = _hooked(self.modules_of[id(block)])
@@ -233,19 +282,34 @@ class MoeCudaGraphs:
             for _, module in self.modules_of[id(block)]:
                 module.__dict__.pop(CASTS_ITSELF, None)
         self.blocks.clear()
-        self.graphs.clear()
+        self.release()
 
     def pool_bytes(self) -> int:
-        return sum(g.pool_bytes for g in self.graphs.values())
+        """The forward graphs' pools and the backward graphs' shared one (0 where the allocator cannot say)."""
+        total = sum(g.pool_bytes or 0 for g in self.graphs.values())
+        if self.graphs and self._backward_pool is not None:
+            device = next(iter(self.graphs.values())).key[2]
+            total += pool_bytes(device, self._backward_pool) or 0
+        return total
+
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def to_dict(self) -> dict:
         return {"blocks": len(self.blocks), "captured": len(self.graphs), "captures": self.captures,
                 "replays": self.replays, "eager_calls": dict(self.eager), "failed": self.failed,
+                "last_no_room": self.last_no_room,
                 "pool_bytes": self.pool_bytes(), "summary": self.describe()}
 
     def describe(self) -> str:
         eager = ", ".join(f"{n} ({why})" for why, n in self.eager.most_common()) or "none"
         state = f"capture failed: {self.failed}; " if self.failed else ""
+        if self.last_no_room:
+            state += f"last block left eager: {self.last_no_room}; "
         return (f"{state}{len(self.graphs)} of {len(self.blocks)} sparse blocks captured, {self.replays} replays, "
                 f"{self.pool_bytes() / 2**30:.2f} GiB of graph pools; eager calls: {eager}")
 
@@ -274,10 +338,15 @@ class _GraphedForward:
         if graph is None:
             try:
                 graph = owner.graphs[key] = owner.graph_class(self.block, self.original, x, owner)
+            except NoRoom as error:  # this block stays eager; the warm-up starts over (memory may free up)
+                owner.warm[key] = 0
+                owner.eager[str(error).split(" (")[0]] += 1
+                owner.last_no_room = str(error)
+                return self.original(x, *args, **kwargs)
             except Exception as error:  # noqa: BLE001 - any capture failure: eager from now on, named in the report
                 owner.failed = f"{owner.phase} of {type(self.block).__name__} raised {type(error).__name__}: " + \
                     str(error).strip().splitlines()[0]
-                owner.graphs.clear()
+                owner.graphs.clear()  # no more replays; graphs this step replayed live on for their backward
                 owner.eager["a capture failed (see the report)"] += 1
                 return self.original(x, *args, **kwargs)
             owner.captures += 1
