@@ -26,9 +26,6 @@ from axolotl_fastqwen.patching.moe_cuda_graphs import BlockGraph, MoeCudaGraphs
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers.integrations.moe")
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 class EagerGraph(BlockGraph):
     """The two graphs of `BlockGraph` as eager calls under its contract (static tensors in and out)."""
 
@@ -55,19 +52,10 @@ class EagerGraph(BlockGraph):
 
 def _model(gc: bool = False):
     """Qwen3.5-MoE with LoRA on attention, Gated DeltaNet and the shared expert: the base in bf16, the
-    adapters in fp32 (peft's default under the Trainer's `bf16: true`)."""
-    from test_patching import model_for
+    adapters in fp32 (peft's default under the Trainer's `bf16: true`); non-reentrant checkpointing with `gc`."""
+    from test_fused_lora import _bf16_model
 
-    torch.manual_seed(0)
-    model = peft.get_peft_model(model_for("qwen3_5_moe"), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
-    if gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = model.to(torch.bfloat16)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.float()
-    return model
+    return _bf16_model("qwen3_5_moe", gc=False if gc else None)
 
 
 def _batch(model, seed: int):

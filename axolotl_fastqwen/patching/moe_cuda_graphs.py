@@ -51,6 +51,7 @@ WARMUP_CALLS = 2  # eager training calls of a block before its capture, with no 
 # a block is captured only where the device has this much free beside what its forward holds for its backward
 # (measured in the warm-up) times ROOM_FACTOR: its pool's own segments, and the allocator's rounding
 ROOM_FACTOR, ROOM_MARGIN = 1.25, 512 * 2**20
+NO_ROOM = "no room for its graph"
 TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' output recorder (a no-op unless recording)
 
 
@@ -72,6 +73,11 @@ def _hooked(modules: list[tuple[str, nn.Module]]) -> str | None:
     return None
 
 
+def _recomputed(layer: nn.Module) -> bool:
+    """transformers' own test (`GradientCheckpointingLayer`): the layer's forward is recomputed in backward."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+
 def _autocast_state(device_type: str = "cuda") -> tuple:
     return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
@@ -84,7 +90,7 @@ class BlockGraph:
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.pointers = _pointers(block)
         self.generation = 0  # forward replays so far: a backward must follow its own forward
-        self.pool_bytes = 0
+        self.pool = None  # the forward graph's memory pool
         self.static_x = torch.empty_like(x).copy_(x.detach()).requires_grad_(True)
         enabled, dtype = _autocast_state(x.device.type)
         autocast = torch.autocast(x.device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
@@ -108,7 +114,7 @@ class BlockGraph:
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's cache
         need = int(ROOM_FACTOR * held) + ROOM_MARGIN
         if free < need:
-            raise NoRoom(f"no room for its graph ({need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free)")
+            raise NoRoom(f"{NO_ROOM} ({need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free)")
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self.pool = torch.cuda.graph_pool_handle()
         owner.phase = "forward capture"
@@ -122,7 +128,6 @@ class BlockGraph:
         # tensors kept on its ctx) stays allocated; the replays use the pool's addresses, not these objects
         self.static_out = self.static_out.detach()
         self.static_grad_x, self.static_grads = grads[0], grads[1:]
-        self.pool_bytes = pool_bytes(device, self.pool)
 
     def release(self) -> None:
         """Free the graphs and their memory now (an autograd node of a failed step may still refer to this)."""
@@ -149,13 +154,12 @@ class BlockGraph:
         return None
 
 
-def pool_bytes(device: torch.device, pool) -> int | None:
-    """The device memory the allocator's segments of graph pool `pool` take (None where the snapshot has no
+def pools_bytes(pools: list) -> int | None:
+    """The device memory the allocator's segments of these graph pools take (None where its snapshot has no
     pool ids). The reserved total cannot say it: a capture empties the allocator's cache first."""
+    wanted = {tuple(p) for p in pools}
     try:
-        segments = torch.cuda.memory_snapshot()
-        return sum(s["total_size"] for s in segments
-                   if tuple(s["segment_pool_id"]) == tuple(pool) and s["device"] == device.index)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) in wanted)
     except (KeyError, TypeError, RuntimeError):
         return None
 
@@ -215,6 +219,7 @@ class MoeCudaGraphs:
     failed: str | None = None  # a capture that raised: every block runs eagerly from then on
     phase: str = ""  # where the capture under way is (for the report, when one fails)
     kept: tuple = ()  # each layer's gradient checkpointing flag at the last call: a change restarts the warm-up
+    no_room: set = field(default_factory=set, repr=False)  # blocks left eager for want of memory (until `kept` changes)
     last_no_room: str | None = None  # the last block left eager for want of memory, and the numbers
     devices: tuple[str, ...] = ("cuda",)  # where blocks are captured
     graph_class: type = field(default=BlockGraph, repr=False)
@@ -247,8 +252,7 @@ class MoeCudaGraphs:
             return "under torch.compile"
         if not x.requires_grad:
             return "an input without gradient"
-        layer = self.layer_of[id(block)]
-        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+        if _recomputed(self.layer_of[id(block)]):
             dropped = self.graphs.pop(id(block), None)  # auto gave the layer back between steps: free its pool
             if dropped is not None:
                 dropped.release()
@@ -257,6 +261,9 @@ class MoeCudaGraphs:
         if kept != self.kept:  # `fastqwen_checkpointing: auto` is still choosing: capture once it has chosen
             self.kept = kept
             self.warm.clear()
+            self.no_room.clear()
+        if id(block) in self.no_room:
+            return NO_ROOM
         if _router_logits_recorded():
             return "the router's logits are recorded (output_router_logits)"
         hooked = _hooked(self.modules_of[id(block)])
@@ -267,8 +274,7 @@ class MoeCudaGraphs:
     def casts_itself(self, block: nn.Module) -> bool:
         """Whether the block's adapters cast their own factors (per-forward copies: `lora_weight_copies.py`):
         while its layer keeps its activations, so that its graph can be captured (and is replayed)."""
-        layer = self.layer_of[id(block)]
-        return self.failed is None and not (getattr(layer, "gradient_checkpointing", False) and layer.training)
+        return self.failed is None and not _recomputed(self.layer_of[id(block)])
 
     def backward_pool(self):
         """The memory pool every block's backward graph is captured into (they replay one at a time)."""
@@ -284,13 +290,12 @@ class MoeCudaGraphs:
         self.blocks.clear()
         self.release()
 
-    def pool_bytes(self) -> int:
-        """The forward graphs' pools and the backward graphs' shared one (0 where the allocator cannot say)."""
-        total = sum(g.pool_bytes or 0 for g in self.graphs.values())
-        if self.graphs and self._backward_pool is not None:
-            device = next(iter(self.graphs.values())).key[2]
-            total += pool_bytes(device, self._backward_pool) or 0
-        return total
+    def pool_bytes(self) -> int | None:
+        """The forward graphs' pools and the backward graphs' shared one (None where the allocator cannot say)."""
+        pools = [g.pool for g in self.graphs.values() if g.pool is not None]
+        if not pools:
+            return 0
+        return pools_bytes([*pools, self._backward_pool])
 
     def release(self) -> None:
         for graph in self.graphs.values():
@@ -300,18 +305,19 @@ class MoeCudaGraphs:
             torch.cuda.empty_cache()
 
     def to_dict(self) -> dict:
+        pools = self.pool_bytes()
         return {"blocks": len(self.blocks), "captured": len(self.graphs), "captures": self.captures,
                 "replays": self.replays, "eager_calls": dict(self.eager), "failed": self.failed,
-                "last_no_room": self.last_no_room,
-                "pool_bytes": self.pool_bytes(), "summary": self.describe()}
+                "last_no_room": self.last_no_room, "pool_bytes": pools, "summary": self.describe(pools)}
 
-    def describe(self) -> str:
+    def describe(self, pools: int | None) -> str:
         eager = ", ".join(f"{n} ({why})" for why, n in self.eager.most_common()) or "none"
         state = f"capture failed: {self.failed}; " if self.failed else ""
         if self.last_no_room:
             state += f"last block left eager: {self.last_no_room}; "
+        size = f"{pools / 2**30:.2f} GiB" if pools is not None else "an unknown size"
         return (f"{state}{len(self.graphs)} of {len(self.blocks)} sparse blocks captured, {self.replays} replays, "
-                f"{self.pool_bytes() / 2**30:.2f} GiB of graph pools; eager calls: {eager}")
+                f"{size} of graph pools; eager calls: {eager}")
 
 
 class _GraphedForward:
@@ -338,9 +344,9 @@ class _GraphedForward:
         if graph is None:
             try:
                 graph = owner.graphs[key] = owner.graph_class(self.block, self.original, x, owner)
-            except NoRoom as error:  # this block stays eager; the warm-up starts over (memory may free up)
-                owner.warm[key] = 0
-                owner.eager[str(error).split(" (")[0]] += 1
+            except NoRoom as error:  # this block stays eager until auto changes what the layers keep
+                owner.no_room.add(key)
+                owner.eager[NO_ROOM] += 1
                 owner.last_no_room = str(error)
                 return self.original(x, *args, **kwargs)
             except Exception as error:  # noqa: BLE001 - any capture failure: eager from now on, named in the report
