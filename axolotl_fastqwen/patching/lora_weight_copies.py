@@ -29,10 +29,6 @@ ready; one node producing them all at the end would delay that overlap) and unde
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -106,23 +102,6 @@ def casts_itself(module: nn.Module) -> bool:
     return bool(says is not None and says())
 
 
-class _Uncopied(threading.local):
-    active = False
-
-
-_UNCOPIED = _Uncopied()
-
-
-@contextlib.contextmanager
-def uncopied() -> Iterator[None]:
-    """Within it no layer reads a copy (a CUDA graph's warm-up and capture: the graph casts for itself)."""
-    before, _UNCOPIED.active = _UNCOPIED.active, True
-    try:
-        yield
-    finally:
-        _UNCOPIED.active = before
-
-
 class LoraWeightCopies:
     """Per training forward: compute-dtype copies of LoRA factors, `(A, s·B)` under a module's id.
 
@@ -185,8 +164,9 @@ class LoraWeightCopies:
     def get(self, module: nn.Module, adapter: str, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor):
         """`(A, s·B)` for this call of `module` with factors `a`, `b`, or None: no copy, another adapter or
         dtype, the factors changed since (their version counters: the optimizer's step), or a CUDA graph is
-        being warmed up or captured (`uncopied()`: the graph casts the factors itself)."""
-        if _UNCOPIED.active or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        being captured (the graph casts the factors itself; a replayed block's modules are never copied:
+        `CASTS_ITSELF`)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return None  # a CUDA graph (patching/moe_cuda_graphs.py) would replay this forward's copies forever
         entry = self.copies.get(id(module))
         if entry is None or entry[0] != adapter or entry[1].dtype != dtype:

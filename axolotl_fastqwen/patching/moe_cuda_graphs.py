@@ -28,8 +28,8 @@ the per-forward copies (`lora_weight_copies.py`): the copies' backward node hold
 accumulators, made on the default stream, and a backward captured on another stream that reaches them
 waits on the default stream, which invalidates the capture (cudaErrorStreamCaptureInvalidated on an
 H100, benchmarks/h100/2026-12-07d). A capture that fails leaves every block eager, and the report
-says in which phase and why. A backward whose block has replayed another forward since raises instead of training on the
-wrong activations; weights that moved (`.to()`, a reload) are captured again.
+says in which phase and why. A backward whose block has replayed another forward since raises instead
+of training on the wrong activations; weights that moved (`.to()`, a reload) are captured again.
 
 Opt-in (`fastqwen_moe_cuda_graphs`); `restore()` gives every block its forward back and drops the graphs.
 """
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .instance_forward import replace_forward, restore_forward
-from .lora_weight_copies import CASTS_ITSELF, uncopied
+from .lora_weight_copies import CASTS_ITSELF
 
 KEY = "_fastqwen_moe_cuda_graphs"  # where `replace_forward` keeps the block's own forward
 WARMUP_CALLS = 2  # eager training calls of a block before its capture, with no layer's checkpointing changed
@@ -95,7 +95,7 @@ class BlockGraph:
         enabled, dtype = _autocast_state(x.device.type)
         autocast = torch.autocast(x.device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
         identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # not the layer's own hooks
-        with autocast, identity, uncopied():
+        with autocast, identity:
             self._capture(original, x.device, owner)
 
     def _capture(self, original, device: torch.device, owner: MoeCudaGraphs) -> None:
