@@ -6,6 +6,7 @@ the plugin's report (`fastqwen_report.json`, written by its hooks) and the run's
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -401,3 +402,31 @@ def test_bf16_autocast_with_the_adapters_cast_once_a_forward_gives_the_per_layer
     state = fused["weight_copies"]
     assert state["state"] == "on" and state["layers"] == fused["layers"] > 0 and state["forwards"] == 6, fused
     assert report(plain)["kernels"]["fused_lora"]["weight_copies"]["state"] == "off: the test's control"
+
+
+def test_moe_cuda_graphs_train_through_axolotl_with_the_losses_of_a_run_without_them(tmp_path):
+    """`fastqwen_moe_cuda_graphs: true` on the tiny MoE under `bf16: true` (tests/bf16_on_cpu.py), two
+    micro-batches a step and an eval, with the graphs stood in by eager calls (tests/moe_graphs_on_cpu.py: a
+    CUDA graph needs a GPU; the capture itself is `test_gpu_kernels.py::test_moe_cuda_graphs_*`): the
+    Trainer's forwards warm each block up, capture it and replay it, its backwards hand the gradients back,
+    its eval runs eagerly. The stand-in runs the blocks' own ops in their order, so every training and eval
+    loss is the run without the key's to the printed digit; the report counts the replays."""
+    tests = str(ROOT / "tests")
+    off, on = tmp_path / "off", tmp_path / "on"
+    off.mkdir(), on.mkdir()
+    env = {"env_extra": {"PYTHONPATH": tests}}
+    common = dict(bf16=True, gradient_accumulation_steps=2, micro_batch_size=1,
+                  plugins=["bf16_on_cpu.Bf16OnCpu", "moe_graphs_on_cpu.MoeGraphsOnCpu", "axolotl_fastqwen.FastQwenPlugin"])
+    reference = train(config(off, "tiny-qwen3_5_moe-cpu.yml", **common), **env)
+    log = train(config(on, "tiny-qwen3_5_moe-cpu.yml", fastqwen_moe_cuda_graphs=True, **common), **env)
+    losses = train_losses(log)
+    eval_losses = re.findall(r"'eval_loss': '?([0-9.]+)", log)
+    assert len(losses) == 3 and losses == train_losses(reference), (losses, train_losses(reference))
+    assert eval_losses and eval_losses == re.findall(r"'eval_loss': '?([0-9.]+)", reference)
+    graphs = report(on)["kernels"]["moe_cuda_graphs"]
+    blocks = graphs["blocks"]
+    assert blocks > 0 and graphs["captured"] == graphs["captures"] == blocks, graphs
+    assert graphs["replays"] == (3 * 2 - 2) * blocks, graphs  # 6 training forwards, the first 2 warm up
+    assert graphs["eager_calls"]["warm-up"] == 2 * blocks and graphs["eager_calls"]["no gradients (eval)"] > 0
+    assert graphs["failed"] is None
+    assert report(off)["kernels"]["moe_cuda_graphs"] is None

@@ -12,6 +12,7 @@ be at least 4x its own error, so the tolerance cannot hide a leak.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import moe_routing
@@ -1265,6 +1266,15 @@ def test_routed_swiglu_and_combine_at_the_35b_a3b_expert_shapes(gpu_record):
     assert row["combine"] <= OP_TOL and row["combine"] <= 1.05 * row["combine_torch"] + 1e-6, row
 
 
+def _autocast_step(model, batch) -> torch.Tensor:
+    """One training forward and backward under bf16 autocast, as the Trainer runs LoRA: the loss."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
 def test_lora_weight_copies_on_the_gpu_save_six_launches_a_layer(gpu_record):
     """`patching/lora_weight_copies.py` on CUDA: a small Qwen3.5 (bf16 base, fp32 adapters r=16,
     lora_alpha 32, bf16 autocast, non-reentrant checkpointing, 2,048 packed tokens): the loss and every
@@ -1294,14 +1304,7 @@ def test_lora_weight_copies_on_the_gpu_save_six_launches_a_layer(gpu_record):
             if not copies:
                 m.setattr(lora_weight_copies.LoraWeightCopies, "_why_not", lambda self, d: "off: the test's control")
             report = patch_model(model, fused_cross_entropy=False, log=False)
-
-            def step():
-                model.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(**batch).loss
-                loss.backward()
-                return loss.detach()
-
+            step = functools.partial(_autocast_step, model, batch)
             loss = step()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -1415,12 +1418,7 @@ def test_moe_cuda_graphs_at_the_35b_a3b_shapes_train_as_eager_with_fewer_launche
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v
              for k, v in packed_batch(sequences(config.vocab_size, [2048, 1500, 3000, 1644]), budget=8192).items()}
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        loss.backward()
-        return loss.detach()
+    step = functools.partial(_autocast_step, model, batch)
 
     def launch_calls(prof) -> int:
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU

@@ -1,10 +1,8 @@
 """The kept layers' sparse MoE blocks replayed as CUDA graphs (`patching/moe_cuda_graphs.py`).
 
 A CUDA graph is captured and replayed only on a GPU (`test_gpu_kernels.py::test_moe_cuda_graphs_*`).
-Here the same protocol runs with the two graphs stood in by eager calls that keep its contract: the
-forward "replay" reads only the graph's static input and leaves its output and activations in the
-graph object; the backward "replay" reads only the static output gradient and writes the static
-gradients, which `_Replay` hands to autograd. What these tests check against the reference (the same
+Here the same protocol runs with the two graphs stood in by eager calls that keep its contract
+(tests/eager_graph.py). What these tests check against the reference (the same
 model trained with the option off, bf16 autocast over fp32 adapters as the Trainer runs LoRA) is the
 rest: which calls replay and which run eagerly and why, that autograd gets the input's and every
 adapter's gradient from the graph (accumulated over micro-batches), the guard against a backward after
@@ -14,40 +12,16 @@ stand-in runs the same ops in the same order, so the losses and gradients must b
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
+from eager_graph import on_cpu
+
 from axolotl_fastqwen import patch_model, unpatch_model
 from axolotl_fastqwen.patching import lora_weight_copies, moe_cuda_graphs
-from axolotl_fastqwen.patching.moe_cuda_graphs import BlockGraph, MoeCudaGraphs
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers.integrations.moe")
-
-class EagerGraph(BlockGraph):
-    """The two graphs of `BlockGraph` as eager calls under its contract (static tensors in and out)."""
-
-    def _capture(self, original, device, owner) -> None:
-        self.original, self.autocast = original, moe_cuda_graphs._autocast_state(device.type)
-        self.static_grad_out = torch.zeros_like(original(self.static_x.detach()))
-        self.static_out = self.static_grad_out.clone()
-        self.static_grad_x = torch.zeros_like(self.static_x)
-        self.static_grads = [torch.zeros_like(p) for p in self.params]
-        self._out = None
-
-    def replay_forward(self) -> None:
-        enabled, dtype = self.autocast
-        with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=False):
-            self._out = self.original(self.static_x)
-        self.static_out.copy_(self._out)
-
-    def replay_backward(self) -> None:
-        grads = torch.autograd.grad(self._out, (self.static_x, *self.params), self.static_grad_out, allow_unused=True)
-        self.static_grad_x.copy_(grads[0])
-        for static, g in zip(self.static_grads, grads[1:]):
-            static.copy_(g)
 
 
 def _model(gc: bool = False):
@@ -64,11 +38,10 @@ def _batch(model, seed: int):
     return packed_batch(sequences(model.config.vocab_size, [40, 31, 57], seed=seed), budget=128)
 
 
-def _graphs(monkeypatch, model, on: bool):
+def _graphs(model, on: bool):
     report = patch_model(model, fused_cross_entropy=False, moe_cuda_graphs=on, log=False)
     if on:
-        monkeypatch.setattr(report.moe_graphs, "devices", ("cpu",))
-        monkeypatch.setattr(report.moe_graphs, "graph_class", EagerGraph)
+        on_cpu(report.moe_graphs)
     return report
 
 
@@ -90,17 +63,17 @@ def _train(model, steps: int, micro_batches: int = 1):
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_replayed_blocks_train_as_the_eager_ones(micro_batches, monkeypatch):
+def test_replayed_blocks_train_as_the_eager_ones(micro_batches):
     """Five AdamW steps: every loss and the last step's gradients (the shared experts' adapters among them,
     accumulated over micro-batches where there are two) are the eager run's bit for bit; the first
     `WARMUP_CALLS` training calls of each block ran eagerly, then each block was captured once and
     replayed from then on; an eval forward runs eagerly and says so."""
     reference = _model()
-    _graphs(monkeypatch, reference, on=False)
+    _graphs(reference, on=False)
     ref_losses, ref_grads = _train(reference, steps=5, micro_batches=micro_batches)
 
     model = _model()
-    report = _graphs(monkeypatch, model, on=True)
+    report = _graphs(model, on=True)
     losses, grads = _train(model, steps=5, micro_batches=micro_batches)
     graphs = report.moe_graphs
     blocks = model.config.num_hidden_layers
@@ -119,16 +92,16 @@ def test_replayed_blocks_train_as_the_eager_ones(micro_batches, monkeypatch):
     assert f"{blocks} of {blocks} sparse blocks captured" in report.format()
 
 
-def test_layers_that_gradient_checkpointing_recomputes_run_the_block_eagerly(monkeypatch):
+def test_layers_that_gradient_checkpointing_recomputes_run_the_block_eagerly():
     """A recomputed layer's graph would hold the activations checkpointing frees: its block runs eagerly
     (counted), and the run is the eager one's; layers that keep their activations (transformers' per-layer
     flag, which `fastqwen_checkpointing: auto` sets) replay."""
     reference = _model(gc=True)
-    _graphs(monkeypatch, reference, on=False)
+    _graphs(reference, on=False)
     ref_losses, ref_grads = _train(reference, steps=3)
 
     model = _model(gc=True)
-    report = _graphs(monkeypatch, model, on=True)
+    report = _graphs(model, on=True)
     losses, grads = _train(model, steps=3)
     graphs = report.moe_graphs
     blocks = model.config.num_hidden_layers
@@ -146,11 +119,11 @@ def test_layers_that_gradient_checkpointing_recomputes_run_the_block_eagerly(mon
     assert graphs.graphs == {} and graph.static_x is None and graphs.replays == 4 - moe_cuda_graphs.WARMUP_CALLS
 
 
-def test_a_backward_after_another_forward_of_the_block_raises(monkeypatch):
+def test_a_backward_after_another_forward_of_the_block_raises():
     """Two training forwards, then the first one's backward: the graph holds the second one's
     activations, so the backward says so instead of training on them."""
     model = _model()
-    _graphs(monkeypatch, model, on=True)
+    _graphs(model, on=True)
     _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)  # captured and replayed once
     with torch.autocast("cpu", dtype=torch.bfloat16):
         first = model(**_batch(model, seed=1)).loss
@@ -159,14 +132,14 @@ def test_a_backward_after_another_forward_of_the_block_raises(monkeypatch):
         first.backward()
 
 
-def test_router_logits_recorded_and_hooks_run_the_block_eagerly(monkeypatch):
+def test_router_logits_recorded_and_hooks_run_the_block_eagerly():
     """transformers records the router's logits (`output_router_logits`, the auxiliary loss) with a forward
     hook that a replay would skip, and so would any other hook on a module of the block: both run eagerly,
     and the auxiliary loss is the eager run's."""
     reference = _model()
-    _graphs(monkeypatch, reference, on=False)
+    _graphs(reference, on=False)
     model = _model()
-    report = _graphs(monkeypatch, model, on=True)
+    report = _graphs(model, on=True)
     _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
     _train(reference, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
     replays = report.moe_graphs.replays
@@ -188,11 +161,11 @@ def test_router_logits_recorded_and_hooks_run_the_block_eagerly(monkeypatch):
     assert len(seen) == 1 and report.moe_graphs.eager["forward hooks on shared_expert"] == 1
 
 
-def test_unpatch_gives_every_block_its_forward_back(monkeypatch):
+def test_unpatch_gives_every_block_its_forward_back():
     model = _model()
     blocks = [layer.mlp for layer in model.base_model.model.model.layers]
     before = [dict(b.__dict__) for b in blocks]
-    report = _graphs(monkeypatch, model, on=True)
+    report = _graphs(model, on=True)
     assert len(report.moe_graphs.blocks) == len(blocks)
     _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
     unpatch_model(model)
@@ -208,7 +181,7 @@ def test_dense_models_say_there_is_nothing_to_capture():
     assert any("moe cuda graphs: not applied" in note for note in report.kernels.notes)
 
 
-def test_replayed_blocks_adapters_cast_for_themselves_and_recomputed_ones_use_the_copies(monkeypatch):
+def test_replayed_blocks_adapters_cast_for_themselves_and_recomputed_ones_use_the_copies():
     """The shared experts' adapters leave the per-forward copies while their layer keeps its activations (the
     copies' backward node would hold their gradient accumulators on the default stream, where a capture on
     another stream cannot wait), and use them again where the layer recomputes them (no graph there)."""
@@ -218,7 +191,7 @@ def test_replayed_blocks_adapters_cast_for_themselves_and_recomputed_ones_use_th
     layers = model.base_model.model.model.layers
     for layer in layers:  # every layer kept, as auto keeps them where they fit
         layer.gradient_checkpointing = False
-    report = _graphs(monkeypatch, model, on=True)
+    report = _graphs(model, on=True)
     _train(model, steps=1)
     in_blocks = [m for m in peft_linear_layers(model) if any(m is n for layer in layers for n in layer.mlp.modules())]
     adapted = len(peft_linear_layers(model))
