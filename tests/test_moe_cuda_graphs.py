@@ -217,3 +217,36 @@ def test_per_forward_adapter_copies_are_not_read_while_a_graph_is_captured(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert copies.get(module, "default", torch.bfloat16, a, b) is None
+
+
+def test_a_forward_captures_only_its_share_of_memory_and_auto_sees_the_pools(monkeypatch):
+    """Each capture grows the graphs' pools (here 10 bytes a block, of a 100-byte device: the allocator's
+    snapshot and the device stood in): once a forward's captures have added `ROUND_FRACTION` of the device,
+    the blocks after them stay eager (counted) until the next forward, so the blocks are captured one a
+    forward and the losses stay the eager run's. What the pools hold beside their allocated tensors is
+    added to every peak `fastqwen_checkpointing: auto` reads, and no longer once `unpatch_model` ran."""
+    from axolotl_fastqwen.memory import graph_pools
+    from axolotl_fastqwen.memory.checkpoint_fitter import CudaMemory
+
+    reference = _model()
+    _graphs(reference, on=False)
+    ref_losses, _ = _train(reference, steps=6)
+
+    model = _model()
+    graphs = _graphs(model, on=True).moe_graphs
+    graphs.device_total = lambda device: 100
+    graphs.pool_sizes = lambda: (10 * len(graphs.graphs), 1 * len(graphs.graphs))
+    blocks = model.config.num_hidden_layers
+    assert 10 >= moe_cuda_graphs.ROUND_FRACTION * 100 and blocks > 1
+    losses, _ = _train(model, steps=6)
+    assert losses == ref_losses
+    captured_per_forward = min(blocks, 6 - moe_cuda_graphs.WARMUP_CALLS)
+    assert graphs.captures == captured_per_forward
+    assert graphs.eager[moe_cuda_graphs.DEFERRED] == sum(blocks - k for k in range(1, captured_per_forward + 1))
+    assert graphs.aside == 9 * graphs.captures and graphs.to_dict()["pool_unallocated_bytes"] == graphs.aside
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
+    others = graph_pools.aside_bytes() - graphs.aside  # models of other tests in this process
+    assert graphs.aside > 0 and CudaMemory(torch.device("cuda")).peak() == 1000 + others + graphs.aside
+    unpatch_model(model)
+    assert CudaMemory(torch.device("cuda")).peak() == 1000 + others

@@ -42,6 +42,7 @@ from torch import nn
 
 from .. import registry
 from ..families.base import detect_family, unwrap
+from . import graph_pools
 
 LOG = logging.getLogger("axolotl_fastqwen")
 GIB = 1024**3
@@ -85,7 +86,8 @@ class CudaMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        """The allocated peak, plus what CUDA graph pools hold beside it (graph_pools.py)."""
+        return torch.cuda.max_memory_allocated(self.device) + graph_pools.aside_bytes()
 
     def retries(self) -> int:
         """Allocations so far that failed, flushed the cache and retried (a device sync each)."""

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..memory import graph_pools
 from .instance_forward import replace_forward, restore_forward
 from .lora_weight_copies import CASTS_ITSELF
 
@@ -51,7 +52,16 @@ WARMUP_CALLS = 2  # eager training calls of a block before its capture, with no 
 # a block is captured only where the device has this much free beside what its forward holds for its backward
 # (measured in the warm-up) times ROOM_FACTOR: its pool's own segments, and the allocator's rounding
 ROOM_FACTOR, ROOM_MARGIN = 1.25, 512 * 2**20
+# and only while the run's peak so far, what graph pools already hold beside it and that need stay under this
+# fraction of the device (without `fastqwen_checkpointing: auto` nothing else watches the pools' growth)
+CEILING_FRACTION = 0.95
+# the captures of one forward add at most this fraction of the device's memory in pools: `auto` sees the
+# pools in the next step's peak (memory/graph_pools.py) and gives layers back where they went over its limit,
+# before a forward captures more; one forward capturing every block at once could pass the device's memory
+# first (24 blocks held 13.3 GiB on an H100 that `auto` had filled to 70 of its 80 GB)
+ROUND_FRACTION = 0.05
 NO_ROOM = "no room for its graph"
+DEFERRED = "capture deferred: this forward's captures took their share of memory"
 TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' output recorder (a no-op unless recording)
 
 
@@ -91,6 +101,7 @@ class BlockGraph:
         self.pointers = _pointers(block)
         self.generation = 0  # forward replays so far: a backward must follow its own forward
         self.pool = None  # the forward graph's memory pool
+        self.held = 0  # bytes the block's eager forward leaves allocated for its backward (the warm-up's)
         self.static_x = torch.empty_like(x).copy_(x.detach()).requires_grad_(True)
         enabled, dtype = _autocast_state(x.device.type)
         autocast = torch.autocast(x.device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
@@ -105,16 +116,12 @@ class BlockGraph:
         with torch.cuda.stream(side):  # one eager run on the capture's stream first, as CUDA graphs ask
             before = torch.cuda.memory_allocated(device)
             out = original(self.static_x)
-            held = torch.cuda.memory_allocated(device) - before  # what the forward leaves for its backward
+            self.held = torch.cuda.memory_allocated(device) - before  # what the forward leaves for its backward
             self.static_grad_out = torch.zeros_like(out)
             torch.autograd.grad(out, (self.static_x, *self.params), self.static_grad_out, allow_unused=True)
             del out
         torch.cuda.current_stream(device).wait_stream(side)
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's cache
-        need = int(ROOM_FACTOR * held) + ROOM_MARGIN
-        if free < need:
-            raise NoRoom(f"{NO_ROOM} ({need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free)")
+        owner.check_room(device, int(ROOM_FACTOR * self.held) + ROOM_MARGIN)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self.pool = torch.cuda.graph_pool_handle()
         owner.phase = "forward capture"
@@ -151,16 +158,6 @@ class BlockGraph:
         if [id(p) for p in block.parameters() if p.requires_grad] != [id(p) for p in self.params] \
                 or _pointers(block) != self.pointers:
             return "moved"
-        return None
-
-
-def pools_bytes(pools: list) -> int | None:
-    """The device memory the allocator's segments of these graph pools take (None where its snapshot has no
-    pool ids). The reserved total cannot say it: a capture empties the allocator's cache first."""
-    wanted = {tuple(p) for p in pools}
-    try:
-        return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) in wanted)
-    except (KeyError, TypeError, RuntimeError):
         return None
 
 
@@ -221,6 +218,10 @@ class MoeCudaGraphs:
     kept: tuple = ()  # each layer's gradient checkpointing flag at the last call: a change restarts the warm-up
     no_room: set = field(default_factory=set, repr=False)  # blocks left eager for want of memory (until `kept` changes)
     last_no_room: str | None = None  # the last block left eager for want of memory, and the numbers
+    pool_total: int | None = 0  # bytes of the graphs' pools (None: the allocator cannot say), at the last change
+    aside: int = 0  # of those, what no allocated tensor holds: what a step's allocated peak does not show
+    this_forward: set = field(default_factory=set, repr=False)  # blocks called since the forward began
+    added: int = 0  # pool bytes the captures of this forward added
     devices: tuple[str, ...] = ("cuda",)  # where blocks are captured
     graph_class: type = field(default=BlockGraph, repr=False)
     _backward_pool: object = field(default=None, repr=False)
@@ -238,6 +239,8 @@ class MoeCudaGraphs:
                 module.__dict__[CASTS_ITSELF] = functools.partial(self.casts_itself, block)
             replace_forward(block, KEY, lambda original, block=block: _GraphedForward(block, original, self))
             self.blocks.append(block)
+        if self.blocks:
+            graph_pools.register(self.aside_bytes)
         return self
 
     def why_eager(self, block: nn.Module, x: torch.Tensor) -> str | None:
@@ -256,6 +259,7 @@ class MoeCudaGraphs:
             dropped = self.graphs.pop(id(block), None)  # auto gave the layer back between steps: free its pool
             if dropped is not None:
                 dropped.release()
+                self.measure(free=True)
             return "the layer recomputes its activations (gradient checkpointing)"
         kept = tuple(bool(getattr(m, "gradient_checkpointing", False)) for m in self.layer_of.values())
         if kept != self.kept:  # `fastqwen_checkpointing: auto` is still choosing: capture once it has chosen
@@ -276,6 +280,53 @@ class MoeCudaGraphs:
         while its layer keeps its activations, so that its graph can be captured (and is replayed)."""
         return self.failed is None and not _recomputed(self.layer_of[id(block)])
 
+    def begin_call(self, block: nn.Module) -> None:
+        """A block called again starts another forward (its round of captures)."""
+        if id(block) in self.this_forward:
+            self.this_forward.clear()
+            self.added = 0
+        self.this_forward.add(id(block))
+
+    def device_total(self, device: torch.device) -> int | None:
+        return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+    def deferred(self, device: torch.device) -> bool:
+        """Whether this forward's captures have added their share of pool memory already."""
+        total = self.device_total(device)
+        return total is not None and self.added >= ROUND_FRACTION * total
+
+    def check_room(self, device: torch.device, need: int) -> None:
+        """Raise `NoRoom` unless the device has `need` bytes free now and the run's peak so far, the pools'
+        unallocated part and `need` stay under `CEILING_FRACTION` of it."""
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's cache
+        if free < need:
+            raise NoRoom(f"{NO_ROOM} ({need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free)")
+        peak, ceiling = torch.cuda.max_memory_allocated(device), CEILING_FRACTION * self.device_total(device)
+        if peak + self.aside + need > ceiling:
+            raise NoRoom(f"{NO_ROOM} (the peak so far {peak / 2**30:.2f} GiB + pools {self.aside / 2**30:.2f} GiB + "
+                         f"{need / 2**30:.2f} GiB needed > {ceiling / 2**30:.2f} GiB)")
+
+    def pool_sizes(self) -> tuple[int, int] | None:
+        """(segment bytes, allocated bytes) of every pool the graphs use."""
+        pools = [g.pool for g in self.graphs.values() if g.pool is not None]
+        return graph_pools.pool_sizes([*pools, self._backward_pool] if pools else [])
+
+    def measure(self, free: bool = False) -> None:
+        """Read the pools' size after a capture or a release (`free`: hand released pools back first)."""
+        if free and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        sizes = self.pool_sizes()
+        if sizes is None:  # no pool ids in the allocator's snapshot: count what the warm-ups measured, padded
+            self.pool_total = None
+            self.aside = sum(int(ROOM_FACTOR * g.held) + ROOM_MARGIN for g in self.graphs.values())
+        else:
+            self.pool_total, allocated = sizes
+            self.aside = self.pool_total - allocated
+
+    def aside_bytes(self) -> int:
+        return self.aside
+
     def backward_pool(self):
         """The memory pool every block's backward graph is captured into (they replay one at a time)."""
         if self._backward_pool is None:
@@ -289,26 +340,20 @@ class MoeCudaGraphs:
                 module.__dict__.pop(CASTS_ITSELF, None)
         self.blocks.clear()
         self.release()
-
-    def pool_bytes(self) -> int | None:
-        """The forward graphs' pools and the backward graphs' shared one (None where the allocator cannot say)."""
-        pools = [g.pool for g in self.graphs.values() if g.pool is not None]
-        if not pools:
-            return 0
-        return pools_bytes([*pools, self._backward_pool])
+        graph_pools.unregister(self.aside_bytes)
 
     def release(self) -> None:
         for graph in self.graphs.values():
             graph.release()
         self.graphs.clear()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.measure(free=True)
 
     def to_dict(self) -> dict:
-        pools = self.pool_bytes()
+        pools = self.pool_total
         return {"blocks": len(self.blocks), "captured": len(self.graphs), "captures": self.captures,
                 "replays": self.replays, "eager_calls": dict(self.eager), "failed": self.failed,
-                "last_no_room": self.last_no_room, "pool_bytes": pools, "summary": self.describe(pools)}
+                "last_no_room": self.last_no_room, "pool_bytes": pools, "pool_unallocated_bytes": self.aside,
+                "held_bytes": sum(g.held for g in self.graphs.values()), "summary": self.describe(pools)}
 
     def describe(self, pools: int | None) -> str:
         eager = ", ".join(f"{n} ({why})" for why, n in self.eager.most_common()) or "none"
@@ -328,6 +373,7 @@ class _GraphedForward:
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         owner, key = self.owner, id(self.block)
+        owner.begin_call(self.block)
         why = "extra arguments" if args or kwargs else owner.why_eager(self.block, x)
         graph = owner.graphs.get(key)
         if why is None and graph is not None:
@@ -338,6 +384,8 @@ class _GraphedForward:
         if why is None and graph is None and owner.warm[key] < WARMUP_CALLS:
             owner.warm[key] += 1
             why = "warm-up"
+        if why is None and graph is None and owner.deferred(x.device):
+            why = DEFERRED
         if why is not None:
             owner.eager[why] += 1
             return self.original(x, *args, **kwargs)
@@ -356,6 +404,10 @@ class _GraphedForward:
                 owner.eager["a capture failed (see the report)"] += 1
                 return self.original(x, *args, **kwargs)
             owner.captures += 1
+            before = owner.pool_total or 0
+            owner.measure()
+            owner.added += max(0, (owner.pool_total or 0) - before) if owner.pool_total is not None else \
+                int(ROOM_FACTOR * graph.held) + ROOM_MARGIN
         owner.replays += 1
         return _Replay.apply(graph, x, *graph.params)
 
