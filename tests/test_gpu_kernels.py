@@ -1317,10 +1317,14 @@ def test_lora_weight_copies_on_the_gpu_save_six_launches_a_layer(gpu_record):
         results[copies] = (loss, grads, launches, ms, fused)
     (ref_loss, ref, before, ref_ms, _), (loss, grads, after, copy_ms, fused) = results[False], results[True]
     layers = fused["weight_copies"]["layers"]
+    differ = {n: float((grads[n].float() - ref[n].float()).abs().max() / ref[n].float().abs().max())
+              for n in ref if not torch.equal(grads[n], ref[n])}
     gpu_record({"test": "lora_weight_copies", "layers": layers, "launches_per_layer_cast": before,
-                "launches_copies": after, "ms_per_layer_cast": ref_ms, "ms_copies": copy_ms})
+                "launches_copies": after, "ms_per_layer_cast": ref_ms, "ms_copies": copy_ms,
+                "gradients_not_equal": len(differ), "gradients": len(ref), "largest_rel_diffs":
+                    dict(sorted(differ.items(), key=lambda kv: -kv[1])[:8])})
     assert fused["weight_copies"]["state"] == "on" and layers > 0
-    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], ref[n]) for n in ref)
+    assert torch.equal(loss, ref_loss) and not differ, (len(differ), len(ref), sorted(differ.items())[:4])
     assert before - after >= 6 * layers - 16, (before, after, layers)
 
 

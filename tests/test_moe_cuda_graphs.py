@@ -250,3 +250,46 @@ def test_a_forward_captures_only_its_share_of_memory_and_auto_sees_the_pools(mon
     assert graphs.aside > 0 and CudaMemory(torch.device("cuda")).peak() == 1000 + others + graphs.aside
     unpatch_model(model)
     assert CudaMemory(torch.device("cuda")).peak() == 1000 + others
+
+
+def test_pools_are_shared_within_a_forward_and_never_reused_once_their_graphs_are_gone(monkeypatch):
+    """The blocks captured in one forward share a forward pool (each forward's captures their own), all
+    blocks share one backward pool; once a layer goes back to checkpointing its graph is freed, and when no
+    graph uses a pool any more the next capture gets a new one: the CUDA allocator refuses a capture into a
+    pool whose graphs were all freed (`use_count > 0` INTERNAL ASSERT, H100, the expert-LoRA run of
+    benchmarks/h100/2026-12-07e). Pool handles stood in by a counter."""
+    from eager_graph import EagerGraph
+
+    handles = iter(range(1, 1000))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
+
+    class PooledGraph(EagerGraph):
+        def _capture(self, original, device, owner):
+            super()._capture(original, device, owner)
+            self.pool, self.backward = owner.forward_pool(), owner.backward_pool()
+
+    model = _model(gc=True)
+    layers = model.base_model.model.model.layers
+    graphs = _graphs(model, on=True).moe_graphs
+    graphs.graph_class = PooledGraph
+    graphs.pool_sizes = lambda: (0, 0)
+    for layer in layers[-2:]:  # as auto keeps the last two layers
+        layer.gradient_checkpointing = False
+    _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
+    first = [graphs.graphs[id(layer.mlp)] for layer in layers[-2:]]
+    assert first[0].pool == first[1].pool and first[0].backward == first[1].backward
+
+    for layer in layers[-2:]:  # auto gives them back: both graphs freed, and with them both pools
+        layer.gradient_checkpointing = True
+    _train(model, steps=1)
+    assert graphs.graphs == {}
+    layers[-1].gradient_checkpointing = False
+    graphs.device_total = lambda device: 100  # and from now on a forward captures one block (10 bytes each)
+    graphs.pool_sizes = lambda: (10 * len(graphs.graphs), 10 * len(graphs.graphs))
+    _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
+    again = graphs.graphs[id(layers[-1].mlp)]
+    assert again.pool not in {g.pool for g in first} and again.backward != first[0].backward
+    layers[-2].gradient_checkpointing = False
+    _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
+    other = graphs.graphs[id(layers[-2].mlp)]
+    assert other.pool != again.pool and other.backward == again.backward  # another forward: its own pool

@@ -9,9 +9,11 @@ each be captured once and replayed as one launch, `torch.cuda.make_graphed_calla
 
 - after `WARMUP_CALLS` eager training calls of a block (Triton compiles and autotunes, cuBLAS picks its
   kernels, the experts self-check runs), the block is run once more on a side stream and then captured:
-  its forward with autograd's graph into the block's own memory pool, and `torch.autograd.grad` of it
-  (the input's and every trainable parameter's gradient) into one pool shared by all blocks' backward
-  graphs (backwards run one at a time);
+  its forward with autograd's graph into a memory pool shared by the blocks captured in the same forward
+  (each block's activations stay allocated there, so the others reuse only its transient buffers: on the
+  35B-A3B those are 3/4 of a block's pool, measured on an H100), and `torch.autograd.grad` of it (the
+  input's and every trainable parameter's gradient) into one pool shared by all blocks' backward graphs
+  (backwards run one at a time);
 - a training call copies its input into the graph's static input, replays the forward, and returns a
   copy of the static output; its backward copies the output's gradient in, replays the backward, and
   returns the static gradients (autograd accumulates the parameters' gradients as usual).
@@ -30,6 +32,13 @@ waits on the default stream, which invalidates the capture (cudaErrorStreamCaptu
 H100, benchmarks/h100/2026-12-07d). A capture that fails leaves every block eager, and the report
 says in which phase and why. A backward whose block has replayed another forward since raises instead
 of training on the wrong activations; weights that moved (`.to()`, a reload) are captured again.
+
+Memory. A pool keeps every segment its captures touched, which the allocator's allocated counters do not
+show: what the pools reserve beside their tensors is registered with `memory/graph_pools.py`, and
+`fastqwen_checkpointing: auto` adds it to every peak it reads (and gives layers back when a step goes over
+its limit, which frees their graphs). So that one forward cannot capture past the device's memory before
+`auto` has measured a step, a forward's captures add at most `ROUND_FRACTION` of the device; the rest wait
+for the next forward. A capture also needs room now and under `CEILING_FRACTION` of the device.
 
 Opt-in (`fastqwen_moe_cuda_graphs`); `restore()` gives every block its forward back and drops the graphs.
 """
@@ -100,7 +109,7 @@ class BlockGraph:
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.pointers = _pointers(block)
         self.generation = 0  # forward replays so far: a backward must follow its own forward
-        self.pool = None  # the forward graph's memory pool
+        self.pool = None  # the forward graph's memory pool: shared by the blocks captured in the same forward
         self.held = 0  # bytes the block's eager forward leaves allocated for its backward (the warm-up's)
         self.static_x = torch.empty_like(x).copy_(x.detach()).requires_grad_(True)
         enabled, dtype = _autocast_state(x.device.type)
@@ -123,17 +132,16 @@ class BlockGraph:
         torch.cuda.current_stream(device).wait_stream(side)
         owner.check_room(device, int(ROOM_FACTOR * self.held) + ROOM_MARGIN)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = owner.forward_pool()
         owner.phase = "forward capture"
         with torch.cuda.graph(self.forward_graph, pool=self.pool):
             self.static_out = original(self.static_x)
         owner.phase = "backward capture"
         with torch.cuda.graph(self.backward_graph, pool=owner.backward_pool()):
+            # retain_graph: the activations the backward graph reads stay allocated in the pool (the capture's
+            # autograd graph holds them), so a block captured later into the same pool cannot be given them
             grads = torch.autograd.grad(self.static_out, (self.static_x, *self.params), self.static_grad_out,
-                                        allow_unused=True)
-        # the capture's autograd graph is done with: dropped, so that nothing it holds (a custom function's
-        # tensors kept on its ctx) stays allocated; the replays use the pool's addresses, not these objects
-        self.static_out = self.static_out.detach()
+                                        allow_unused=True, retain_graph=True)
         self.static_grad_x, self.static_grads = grads[0], grads[1:]
 
     def release(self) -> None:
@@ -225,6 +233,7 @@ class MoeCudaGraphs:
     devices: tuple[str, ...] = ("cuda",)  # where blocks are captured
     graph_class: type = field(default=BlockGraph, repr=False)
     _backward_pool: object = field(default=None, repr=False)
+    _forward_pool: object = field(default=None, repr=False)  # this forward's captures share it
 
     @classmethod
     def install(cls, layers: list[nn.Module], block_classes: tuple[type, ...]) -> MoeCudaGraphs:
@@ -259,7 +268,7 @@ class MoeCudaGraphs:
             dropped = self.graphs.pop(id(block), None)  # auto gave the layer back between steps: free its pool
             if dropped is not None:
                 dropped.release()
-                self.measure(free=True)
+                self._released()
             return "the layer recomputes its activations (gradient checkpointing)"
         kept = tuple(bool(getattr(m, "gradient_checkpointing", False)) for m in self.layer_of.values())
         if kept != self.kept:  # `fastqwen_checkpointing: auto` is still choosing: capture once it has chosen
@@ -285,6 +294,7 @@ class MoeCudaGraphs:
         if id(block) in self.this_forward:
             self.this_forward.clear()
             self.added = 0
+            self._forward_pool = None
         self.this_forward.add(id(block))
 
     def device_total(self, device: torch.device) -> int | None:
@@ -309,7 +319,7 @@ class MoeCudaGraphs:
 
     def pool_sizes(self) -> tuple[int, int] | None:
         """(segment bytes, allocated bytes) of every pool the graphs use."""
-        pools = [g.pool for g in self.graphs.values() if g.pool is not None]
+        pools = {tuple(g.pool) for g in self.graphs.values() if g.pool is not None}
         return graph_pools.pool_sizes([*pools, self._backward_pool] if pools else [])
 
     def measure(self, free: bool = False) -> None:
@@ -327,11 +337,29 @@ class MoeCudaGraphs:
     def aside_bytes(self) -> int:
         return self.aside
 
+    def forward_pool(self):
+        """The memory pool of the forward graphs captured in this forward, as `make_graphed_callables` shares one:
+        the forwards replay in the order they were captured and each one's activations stay allocated until its
+        backward, so a later block's capture reuses only what an earlier one freed (its transient buffers),
+        never its activations. Between forwards the order is not known (a block left eager may be captured in
+        a later one): each forward's captures get a pool of their own."""
+        if self._forward_pool is None:
+            self._forward_pool = torch.cuda.graph_pool_handle()
+        return self._forward_pool
+
     def backward_pool(self):
         """The memory pool every block's backward graph is captured into (they replay one at a time)."""
         if self._backward_pool is None:
             self._backward_pool = torch.cuda.graph_pool_handle()
         return self._backward_pool
+
+    def _released(self) -> None:
+        """After graphs were freed: a pool none of the remaining graphs uses is gone (the allocator refuses
+        another capture into it), so later captures get new pools."""
+        self._forward_pool = None
+        if not self.graphs:
+            self._backward_pool = None
+        self.measure(free=True)
 
     def restore(self) -> None:
         for block in self.blocks:
@@ -346,7 +374,7 @@ class MoeCudaGraphs:
         for graph in self.graphs.values():
             graph.release()
         self.graphs.clear()
-        self.measure(free=True)
+        self._released()
 
     def to_dict(self) -> dict:
         pools = self.pool_total
@@ -379,7 +407,8 @@ class _GraphedForward:
         if why is None and graph is not None:
             why = graph.matches(self.block, x)
             if why == "moved":  # the weights were replaced: capture again
-                del owner.graphs[key]
+                owner.graphs.pop(key).release()
+                owner._released()
                 graph, why = None, None
         if why is None and graph is None and owner.warm[key] < WARMUP_CALLS:
             owner.warm[key] += 1
