@@ -334,6 +334,16 @@ class MoeCudaGraphs:
             self.pool_total, allocated = sizes
             self.aside = self.pool_total - allocated
 
+    def captured(self, graph: BlockGraph) -> None:
+        """Count a capture, and the pool memory it added to this forward's share."""
+        self.captures += 1
+        before = self.pool_total
+        self.measure()
+        if before is None or self.pool_total is None:  # the allocator cannot say: the warm-up's measure, padded
+            self.added += int(ROOM_FACTOR * graph.held) + ROOM_MARGIN
+        else:
+            self.added += max(0, self.pool_total - before)
+
     def aside_bytes(self) -> int:
         return self.aside
 
@@ -421,11 +431,7 @@ class _GraphedForward:
                 owner.graphs.clear()  # no more replays; graphs this step replayed live on for their backward
                 owner.eager["a capture failed (see the report)"] += 1
                 return self.original(x, *args, **kwargs)
-            owner.captures += 1
-            before = owner.pool_total or 0
-            owner.measure()
-            owner.added += max(0, (owner.pool_total or 0) - before) if owner.pool_total is not None else \
-                int(ROOM_FACTOR * graph.held) + ROOM_MARGIN
+            owner.captured(graph)
         owner.replays += 1
         return _Replay.apply(graph, x, *graph.params)
 
