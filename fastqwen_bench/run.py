@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from axolotl_fastqwen.memory.checkpoint_fitter import DEFAULT_CHECKPOINTING_MEMORY, FIT_STEPS, CheckpointFitter, memory_of
+from axolotl_fastqwen.patching.moe_cuda_graphs import DEFERRED
 from fastqwen_bench import data, host_profile, measure
 from fastqwen_bench.measure import TRITON
 from fastqwen_bench.quantized_base import quantize_base
@@ -413,6 +414,7 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
                 break
         if fitter is not None and fitter.phase not in ("settled", "off"):
             record["notes"].append(f"checkpointing not settled by the timed steps ({fitter.summary()})")
+        graphs_before = _graphs_unsettled(info)
         counters1 = (TRITON.snapshot(), measure.dynamo_snapshot())
         memory = memory_of(device)  # allocator retries: a device-wide stall each (fragmentation)
         retries1 = memory.retries() if memory is not None else None
@@ -446,6 +448,12 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
                 log(f"[{name}] {record['truncated']}")
                 break
         counters2 = (TRITON.snapshot(), measure.dynamo_snapshot())
+        graphs_after = _graphs_unsettled(info)
+        if graphs_after is not None and graphs_after != graphs_before:
+            record["notes"].append(
+                f"moe cuda graphs not settled by the timed steps: {graphs_after[0] - graphs_before[0]} capture(s) and "
+                f"{graphs_after[1] - graphs_before[1]} warm-up or deferred call(s) in the profiled and timed steps "
+                "(raise --warmup)")
         retries2 = memory.retries() if memory is not None else None
         compiled_after = TRITON.compiled[compiled1:compiled1 + 20]
         if getattr(args, "host_profile", 0) and record["rows"]["timed"]:
@@ -493,6 +501,15 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         triton_after_warmup=measure.delta(counters2[0], counters1[0]),
         triton_compiled_after_warmup=compiled_after,
     )
+
+
+def _graphs_unsettled(info: dict) -> tuple[int, int] | None:
+    """`fastqwen_moe_cuda_graphs`' captures so far and its block calls that ran eagerly only to warm up or for
+    want of this forward's memory share: any of them in the timed steps means they timed the capture."""
+    graphs = getattr(info.get("patch_report"), "moe_graphs", None)
+    if graphs is None:
+        return None
+    return graphs.captures, graphs.eager["warm-up"] + graphs.eager[DEFERRED]
 
 
 def _timed(fn, device, gc_pauses: list | None = None) -> tuple[float, float]:

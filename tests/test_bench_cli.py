@@ -799,3 +799,32 @@ def test_a_quantized_base_gives_axolotl_best_its_qlora_keys():
     assert axolotl_keys(model, moe=True) == {}
     quantize_base(model, torch.float32)
     assert axolotl_keys(model, moe=True) == {"adapter": "qlora", "load_in_4bit": True, "quantize_moe_experts": True}
+
+
+def test_moe_graphs_path_says_when_its_captures_fall_in_the_timed_steps(tmp_path, monkeypatch):
+    """Path G (`fastqwen_moe_cuda_graphs`) captures each block after its warm-up calls: with too few warm-up
+    steps the captures (and the calls deferred for memory) land in the profiled and timed steps, and the
+    path's notes say so; with enough, they do not. On a CPU the graphs are stood in (tests/eager_graph.py),
+    and every layer keeps its activations, as `auto` keeps them on a GPU where they fit."""
+    from eager_graph import on_cpu
+
+    from axolotl_fastqwen.patching import moe_cuda_graphs
+
+    install = moe_cuda_graphs.MoeCudaGraphs.install.__func__
+
+    def kept_on_cpu(cls, layers, block_classes):
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        return on_cpu(install(cls, layers, block_classes))
+
+    monkeypatch.setattr(moe_cuda_graphs.MoeCudaGraphs, "install", classmethod(kept_on_cpu))
+    notes = {}
+    for warmup in (0, 3):
+        out = tmp_path / str(warmup)
+        rc = bench_cli(["bench", "--model", "tiny-moe", *TINY[2:], "--paths", "G", "--gc", "--steps", "2",
+                        "--warmup", str(warmup), "--out", str(out)])
+        g = _path(json.loads((out / "bench.json").read_text()), "fastqwen+ckpt-auto+lean+moe-graphs")
+        assert rc == 0 and g["status"] == "ok", g.get("error")
+        assert g["patch_report"]["moe_cuda_graphs"]["captured"] > 0, g["patch_report"]["moe_cuda_graphs"]
+        notes[warmup] = [n for n in g["notes"] if n.startswith("moe cuda graphs not settled")]
+    assert notes[0] and "capture(s)" in notes[0][0] and notes[3] == []
