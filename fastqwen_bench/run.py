@@ -428,11 +428,13 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         log(f"[{name}] profiled step: {prof['launches']['count']} {prof['launches']['unit']}, "
             f"GPU kernel time {prof['launches']['gpu_kernel_ms']} ms")
         times, tokens, flops_model, flops_hw, slots, gc_pauses = [], [], 0.0, 0.0, [], []
+        host_ms, sm_mhz = [], []  # per timed step: the host's time to issue it, the SM clock after it
         record["rows"] = {"warmup": ran, "profiled": w, "timed": []}
         for j in range(args.steps):
             k = w + 1 + j
             record["rows"]["timed"].append(k)
-            seconds, loss = _timed(lambda k=k: step(k), device, gc_pauses)
+            seconds, loss = _timed(lambda k=k: step(k), device, gc_pauses, host_ms)
+            sm_mhz.append(_sm_clock_mhz(device))
             times.append(seconds)
             losses.append(loss)
             tokens.append(sum(lengths[k]))
@@ -481,6 +483,9 @@ def measure_path(setup: Setup, name: str, mbs: int, record: dict, started: float
         warmup_seconds=[round(s, 3) for s in warm],
         step_seconds=[round(s, 4) for s in times],
         gc_per_step=gc_pauses,  # Python's collections in each timed step: pause ms, collections per generation
+        # what a spread of step times comes from: the host's time to issue each step (the step returned, before
+        # the final device sync; near the step's time where the GPU waits on the host), the SM clock after it
+        host_ms_per_step=host_ms, sm_clock_mhz_per_step=sm_mhz,
         step_time_median_s=round(median, 4),
         tokens_per_s=round(sum(tokens) / total_s, 1),
         real_tokens_per_step=round(sum(tokens) / len(tokens), 1),
@@ -512,21 +517,35 @@ def _graphs_unsettled(info: dict) -> tuple[int, int] | None:
     return graphs.captures, graphs.eager["warm-up"] + graphs.eager[DEFERRED]
 
 
-def _timed(fn, device, gc_pauses: list | None = None) -> tuple[float, float]:
+def _timed(fn, device, gc_pauses: list | None = None, host_ms: list | None = None) -> tuple[float, float]:
     """One step's wall time (device synchronised both ends) and loss; with `gc_pauses`, appends the
-    step's garbage-collection pause (ms) and collections per generation."""
+    step's garbage-collection pause (ms) and collections per generation; with `host_ms`, the ms until the step
+    had been issued (before the final sync)."""
     measure.GC.install()
     measure.sync(device)
     before = measure.GC.snapshot()
     start = time.perf_counter()
     loss = fn()
+    issued = time.perf_counter() - start
     measure.sync(device)
     seconds = time.perf_counter() - start
+    if host_ms is not None:
+        host_ms.append(round(issued * 1000, 2))
     if gc_pauses is not None:
         after = measure.GC.snapshot()
         gens = {g: n - before[1].get(g, 0) for g, n in after[1].items() if n - before[1].get(g, 0)}
         gc_pauses.append({"ms": round(after[0] - before[0], 2), "collections": gens})
     return seconds, float(loss)
+
+
+def _sm_clock_mhz(device) -> int | None:
+    """The GPU's SM clock over the last sample period (NVML, through torch); None on a CPU or without NVML."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # noqa: BLE001 - pynvml missing or NVML unavailable: the figure is optional
+        return None
 
 
 def run_path(setup: Setup, name: str, limit: float | None = None, record: dict | None = None,
@@ -723,6 +742,12 @@ def markdown(result: dict) -> str:
             ms = [p["ms"] for p in pauses]
             lines += ["", f"{r['name']}: Python garbage collection in the timed steps: {sum(ms):.1f} ms in all, "
                           f"at most {max(ms):.1f} ms in one step; step seconds {r['step_seconds']}"]
+            host, clocks = r.get("host_ms_per_step") or [], [c for c in r.get("sm_clock_mhz_per_step") or [] if c]
+            if host:
+                lines[-1] += f"; host ms to issue each step {host}"
+            if clocks:
+                lines[-1] += f"; SM clock {min(clocks)}-{max(clocks)} MHz"
+
     notes = [f"- {r['name']}: {r['error'][:300]}" for r in result["paths"] if r.get("error")]
     notes += [f"- {r['name']}: {n}" for r in result["paths"] for n in r.get("notes", [])]
     notes += [f"- {n}" for n in result.get("notes", [])]

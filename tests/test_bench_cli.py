@@ -106,6 +106,10 @@ def test_bench_writes_complete_json(bench):
         assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["hfu"] >= r["mfu"]
         assert r["triton_after_warmup"] == {} and r["recompiles_after_warmup"] == 0
         assert len(r["gc_per_step"]) == 2 and all(p["ms"] >= 0 for p in r["gc_per_step"])
+        # the host's time to issue each timed step is part of it; no SM clock on a CPU
+        assert len(r["host_ms_per_step"]) == 2 and r["sm_clock_mhz_per_step"] == [None, None]
+        assert all(0 < h <= 1000 * t + 0.1 for h, t in zip(r["host_ms_per_step"], r["step_seconds"])), (  # rounding
+            r["host_ms_per_step"], r["step_seconds"])
     assert _path(result, "fastqwen")["patch_report"]["layers_patched"]["gated_deltanet"] == 3
     if with_axolotl and importlib.util.find_spec("torchao"):
         fp8 = _path(result, "axolotl-best+fp8")
