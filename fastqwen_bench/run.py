@@ -747,7 +747,6 @@ def markdown(result: dict) -> str:
                 lines[-1] += f"; host ms to issue each step {host}"
             if clocks:
                 lines[-1] += f"; SM clock {min(clocks)}-{max(clocks)} MHz"
-
     notes = [f"- {r['name']}: {r['error'][:300]}" for r in result["paths"] if r.get("error")]
     notes += [f"- {r['name']}: {n}" for r in result["paths"] for n in r.get("notes", [])]
     notes += [f"- {n}" for n in result.get("notes", [])]

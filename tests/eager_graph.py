@@ -43,3 +43,16 @@ def on_cpu(graphs: moe_cuda_graphs.MoeCudaGraphs) -> moe_cuda_graphs.MoeCudaGrap
     """Let `graphs` capture on the CPU, with the stand-in."""
     graphs.devices, graphs.graph_class = ("cpu",), EagerGraph
     return graphs
+
+
+def install_on_cpu(keep_layers: bool = False) -> classmethod:
+    """`MoeCudaGraphs.install` (as it is now) whose graphs capture on the CPU; with `keep_layers`, every decoder
+    layer keeps its activations, as `fastqwen_checkpointing: auto` keeps them on a GPU where they fit."""
+    install = moe_cuda_graphs.MoeCudaGraphs.install.__func__
+
+    def installed(cls, layers, block_classes):
+        for layer in layers if keep_layers else ():
+            layer.gradient_checkpointing = False
+        return on_cpu(install(cls, layers, block_classes))
+
+    return classmethod(installed)

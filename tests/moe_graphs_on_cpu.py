@@ -7,12 +7,11 @@ Named in a test YAML (with tests/ on PYTHONPATH) beside the plugin's own line.""
 from __future__ import annotations
 
 from axolotl.integrations.base import BasePlugin
-from eager_graph import on_cpu
+from eager_graph import install_on_cpu
 
 from axolotl_fastqwen.patching import moe_cuda_graphs
 
-_install = moe_cuda_graphs.MoeCudaGraphs.install.__func__
-moe_cuda_graphs.MoeCudaGraphs.install = classmethod(lambda cls, *a, **kw: on_cpu(_install(cls, *a, **kw)))
+moe_cuda_graphs.MoeCudaGraphs.install = install_on_cpu()
 
 
 class MoeGraphsOnCpu(BasePlugin):

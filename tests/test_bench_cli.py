@@ -810,18 +810,11 @@ def test_moe_graphs_path_says_when_its_captures_fall_in_the_timed_steps(tmp_path
     steps the captures (and the calls deferred for memory) land in the profiled and timed steps, and the
     path's notes say so; with enough, they do not. On a CPU the graphs are stood in (tests/eager_graph.py),
     and every layer keeps its activations, as `auto` keeps them on a GPU where they fit."""
-    from eager_graph import on_cpu
+    from eager_graph import install_on_cpu
 
     from axolotl_fastqwen.patching import moe_cuda_graphs
 
-    install = moe_cuda_graphs.MoeCudaGraphs.install.__func__
-
-    def kept_on_cpu(cls, layers, block_classes):
-        for layer in layers:
-            layer.gradient_checkpointing = False
-        return on_cpu(install(cls, layers, block_classes))
-
-    monkeypatch.setattr(moe_cuda_graphs.MoeCudaGraphs, "install", classmethod(kept_on_cpu))
+    monkeypatch.setattr(moe_cuda_graphs.MoeCudaGraphs, "install", install_on_cpu(keep_layers=True))
     notes = {}
     for warmup in (0, 3):
         out = tmp_path / str(warmup)

@@ -266,10 +266,7 @@ class MoeCudaGraphs:
         if not x.requires_grad:
             return "an input without gradient"
         if _recomputed(self.layer_of[id(block)]):
-            dropped = self.graphs.pop(id(block), None)  # auto gave the layer back between steps: free its pool
-            if dropped is not None:
-                dropped.release()
-                self._released()
+            self.drop(block)  # auto gave the layer back between steps: free its pool
             return "the layer recomputes its activations (gradient checkpointing)"
         kept = tuple(bool(getattr(m, "gradient_checkpointing", False)) for m in self.layer_of.values())
         if kept != self.kept:  # `fastqwen_checkpointing: auto` is still choosing: capture once it has chosen
@@ -353,6 +350,13 @@ class MoeCudaGraphs:
             self._backward_pool = torch.cuda.graph_pool_handle()
         return self._backward_pool
 
+    def drop(self, block: nn.Module) -> None:
+        """Free `block`'s graph, if it has one."""
+        graph = self.graphs.pop(id(block), None)
+        if graph is not None:
+            graph.release()
+            self._released()
+
     def _released(self) -> None:
         """After graphs were freed: a pool none of the remaining graphs uses is gone (the allocator refuses
         another capture into it), so later captures get a new one."""
@@ -406,8 +410,7 @@ class _GraphedForward:
         if why is None and graph is not None:
             why = graph.matches(self.block, x)
             if why == "moved":  # the weights were replaced: capture again
-                owner.graphs.pop(key).release()
-                owner._released()
+                owner.drop(self.block)
                 graph, why = None, None
         if why is None and graph is None and owner.warm[key] < WARMUP_CALLS:
             owner.warm[key] += 1
