@@ -1394,16 +1394,10 @@ def test_4bit_experts_at_the_35b_a3b_shapes_keep_no_dequantized_stack(gpu_record
     assert saved >= 0.9 * row["dequantized_stack_gib"], row
 
 
-def test_moe_cuda_graphs_at_the_35b_a3b_shapes_train_as_eager_with_fewer_launches(gpu_record):
-    """`fastqwen_moe_cuda_graphs` on CUDA: 2 layers of Qwen3.5-35B-A3B (256 experts top-8, the 248k head), a
-    bf16 base with fp32 LoRA (r=16) on attention, the Gated DeltaNet projections and the shared experts,
-    bf16 autocast, no gradient checkpointing (every layer keeps its activations), one 8,192-token packed
-    row, AdamW. The same four steps from the same start with the option off and on: with it, each block
-    runs eagerly twice, is captured at the third step and replayed from then on. The replays run the
-    eager kernels, so the losses and gradients should agree to bf16's last bits (bound: 1e-3 relative on
-    each loss, 1e-2 on the global gradient; measured values recorded). The host launches fewer kernels a
-    step (the runtime's launch calls, counted by the profiler; a graph replay is one), at least 40 fewer
-    per block; each step's time and the graphs' memory are recorded."""
+def _moe_graph_runs(graph_class=None) -> tuple[dict, dict, int]:
+    """2 layers of Qwen3.5-35B-A3B trained four steps from one start, `fastqwen_moe_cuda_graphs` off and on
+    (`graph_class`: another `BlockGraph`), then one profiled and five timed steps: (the runs, the
+    comparison, the blocks)."""
     from peft import LoraConfig, get_peft_model
     from torch.profiler import ProfilerActivity, profile
     from transformers import Qwen3_5MoeForCausalLM
@@ -1440,6 +1434,8 @@ def test_moe_cuda_graphs_at_the_35b_a3b_shapes_train_as_eager_with_fewer_launche
                 if n in start:
                     p.copy_(start[n])
         report = patch_model(model, moe_cuda_graphs=graphs, log=False)
+        if graphs and graph_class is not None:
+            report.moe_graphs.graph_class = graph_class
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         losses = []
         for _ in range(4):
@@ -1458,17 +1454,56 @@ def test_moe_cuda_graphs_at_the_35b_a3b_shapes_train_as_eager_with_fewer_launche
         del optimizer
         torch.cuda.reset_peak_memory_stats()
     eager, replayed = runs[False], runs[True]
-    loss_err = float(((replayed["losses"] - eager["losses"]).abs() / eager["losses"].abs()).max())
-    grad_err = (sum(float((replayed["grads"][n] - g).pow(2).sum()) for n, g in eager["grads"].items())
-                / sum(float(g.pow(2).sum()) for g in eager["grads"].values())) ** 0.5
-    blocks = config.num_hidden_layers
-    gpu_record({"test": "moe_cuda_graphs_35b_a3b_2layers", "tokens": 8192, "loss_rel_err_max": loss_err,
-                "grad_rel_err": grad_err, "losses_eager": eager["losses"].tolist(),
-                "losses_graphs": replayed["losses"].tolist(), "launch_calls_eager": eager["launch_calls"],
-                "launch_calls_graphs": replayed["launch_calls"], "ms_eager": eager["ms"], "ms_graphs": replayed["ms"],
-                "peak_gib_eager": eager["peak_gib"], "peak_gib_graphs": replayed["peak_gib"],
-                "graphs": replayed["graphs"]})
+    differ = [n for n, g in eager["grads"].items() if not torch.equal(replayed["grads"][n], g)]
+    compared = {
+        "loss_rel_err_max": float(((replayed["losses"] - eager["losses"]).abs() / eager["losses"].abs()).max()),
+        "grad_rel_err": (sum(float((replayed["grads"][n] - g).pow(2).sum()) for n, g in eager["grads"].items())
+                         / sum(float(g.pow(2).sum()) for g in eager["grads"].values())) ** 0.5,
+        "losses_bitwise": torch.equal(replayed["losses"], eager["losses"]),
+        "grads_differing": len(differ), "grads_differing_first": differ[:5],
+        "losses_eager": eager["losses"].tolist(), "losses_graphs": replayed["losses"].tolist(),
+        "launch_calls_eager": eager["launch_calls"], "launch_calls_graphs": replayed["launch_calls"],
+        "ms_eager": eager["ms"], "ms_graphs": replayed["ms"], "peak_gib_eager": eager["peak_gib"],
+        "peak_gib_graphs": replayed["peak_gib"], "graphs": replayed["graphs"]}
+    return runs, compared, config.num_hidden_layers
+
+
+def test_moe_cuda_graphs_at_the_35b_a3b_shapes_train_as_eager_with_fewer_launches(gpu_record):
+    """`fastqwen_moe_cuda_graphs` on CUDA: 2 layers of Qwen3.5-35B-A3B (256 experts top-8, the 248k head), a
+    bf16 base with fp32 LoRA (r=16) on attention, the Gated DeltaNet projections and the shared experts,
+    bf16 autocast, no gradient checkpointing (every layer keeps its activations), one 8,192-token packed
+    row, AdamW. The same four steps from the same start with the option off and on: with it, each block
+    runs eagerly twice, both are captured at the third step, in that one forward, into one shared forward
+    pool, and replayed from then on. The replays run the eager kernels, so the losses and gradients should
+    agree to bf16's last bits (bound: 1e-3 relative on each loss, 1e-2 on the global gradient; measured
+    values recorded, and whether they are bit for bit). A second block whose capture reused the first's
+    activations would fail the gradient bound: `test_moe_cuda_graphs_shared_pool_without_kept_activations_
+    trains_wrong` plants that bug. The host launches fewer kernels a step (the runtime's launch calls,
+    counted by the profiler; a graph replay is one), at least 40 fewer per block; each step's time and the
+    graphs' memory are recorded."""
+    runs, compared, blocks = _moe_graph_runs()
+    eager, replayed = runs[False], runs[True]
+    gpu_record({"test": "moe_cuda_graphs_35b_a3b_2layers", "tokens": 8192, **compared})
     assert replayed["graphs"]["captured"] == blocks and replayed["graphs"]["failed"] is None, replayed["graphs"]
     assert replayed["graphs"]["eager_calls"] == {"warm-up": 2 * blocks}, replayed["graphs"]
-    assert loss_err <= 1e-3 and grad_err <= 1e-2, (loss_err, grad_err)
+    assert compared["loss_rel_err_max"] <= 1e-3 and compared["grad_rel_err"] <= 1e-2, compared
     assert replayed["launch_calls"] <= eager["launch_calls"] - 40 * blocks, (eager["launch_calls"], replayed["launch_calls"])
+
+
+def test_moe_cuda_graphs_shared_pool_without_kept_activations_trains_wrong(gpu_record):
+    """The guard of the shared forward pool, shown on the GPU: the same runs as the test above with a planted
+    bug, each capture's autograd graph dropped once its backward is captured (as when every block had a pool
+    of its own), so the first block's activations are freed inside the pool that the second block's capture
+    then draws from. The second block's forward replay overwrites them and the first block's backward reads
+    the wrong tensors: the gradient bound of the test above must fail (the measured error is recorded)."""
+    from axolotl_fastqwen.patching.moe_cuda_graphs import BlockGraph
+
+    class ActivationsDropped(BlockGraph):
+        def _capture(self, original, device, owner):
+            super()._capture(original, device, owner)
+            self.static_out = self.static_out.detach()  # the planted bug
+
+    runs, compared, blocks = _moe_graph_runs(ActivationsDropped)
+    gpu_record({"test": "moe_cuda_graphs_planted_shared_pool_bug", "tokens": 8192, **compared})
+    assert runs[True]["graphs"]["captured"] == blocks, runs[True]["graphs"]
+    assert compared["grad_rel_err"] > 1e-2, compared

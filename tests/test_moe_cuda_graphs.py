@@ -252,12 +252,14 @@ def test_a_forward_captures_only_its_share_of_memory_and_auto_sees_the_pools(mon
     assert CudaMemory(torch.device("cuda")).peak() == 1000 + others
 
 
-def test_a_pool_whose_graphs_are_all_freed_is_never_captured_into_again(monkeypatch):
-    """Each block's forward graph has its own pool, all blocks' backward graphs share one. Once every graph
-    that used the backward pool is freed (their layers went back to checkpointing), the next capture gets a
-    new one: the CUDA allocator retires a pool whose graphs are all freed and refuses a capture into it
-    (`use_count > 0` INTERNAL ASSERT, H100, the expert-LoRA run of benchmarks/h100/2026-12-07e). Pool handles
-    stood in by a counter; the real capture needs a GPU."""
+def test_pools_are_shared_within_a_forward_and_never_captured_into_once_their_graphs_are_gone(monkeypatch):
+    """The blocks captured in one forward share a forward pool (as `make_graphed_callables` shares one: each
+    block's activations stay allocated, so a later block reuses only an earlier one's transient buffers), each
+    forward's captures get their own, and all blocks share one backward pool. Once the graphs that used a pool
+    are freed (their layers went back to checkpointing), no capture goes into it again: the CUDA allocator
+    retires a pool whose graphs are all freed and refuses a capture into it (`use_count > 0` INTERNAL ASSERT,
+    H100, the expert-LoRA run of benchmarks/h100/2026-12-07e). Pool handles stood in by a counter; the real
+    capture needs a GPU (`test_moe_cuda_graphs_at_the_35b_a3b_shapes_train_as_eager_with_fewer_launches`)."""
     from eager_graph import EagerGraph
 
     handles = iter(range(1, 1000))
@@ -266,25 +268,26 @@ def test_a_pool_whose_graphs_are_all_freed_is_never_captured_into_again(monkeypa
     class PooledGraph(EagerGraph):
         def _capture(self, original, device, owner):
             super()._capture(original, device, owner)
-            self.pool, self.backward = torch.cuda.graph_pool_handle(), owner.backward_pool()
+            self.pool, self.backward = owner.forward_pool(), owner.backward_pool()
 
     model = _model(gc=True)
     layers = model.base_model.model.model.layers
     graphs = _graphs(model, on=True).moe_graphs
     graphs.graph_class = PooledGraph
     graphs.pool_sizes = lambda: (0, 0)
-    for layer in layers[-2:]:  # as auto keeps the last two layers
+    for layer in layers[-2:]:  # as auto keeps the last two layers: both captured in one forward
         layer.gradient_checkpointing = False
     _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
     first = [graphs.graphs[id(layer.mlp)] for layer in layers[-2:]]
-    assert first[0].pool != first[1].pool and first[0].backward == first[1].backward
+    assert first[0].pool == first[1].pool and first[0].backward == first[1].backward
 
-    layers[-2].gradient_checkpointing = True  # one given back: the other still uses the backward pool
+    layers[-2].gradient_checkpointing = True  # one given back: the other still uses both pools
     _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
     assert list(graphs.graphs) == [id(layers[-1].mlp)]
-    layers[-2].gradient_checkpointing = False
+    layers[-2].gradient_checkpointing = False  # captured again, in a later forward: a forward pool of its own
     _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
-    assert graphs.graphs[id(layers[-2].mlp)].backward == first[0].backward
+    second = graphs.graphs[id(layers[-2].mlp)]
+    assert second.pool != first[0].pool and second.backward == first[0].backward
 
     for layer in layers[-2:]:  # both given back: no graph uses the backward pool any more
         layer.gradient_checkpointing = True
@@ -293,4 +296,9 @@ def test_a_pool_whose_graphs_are_all_freed_is_never_captured_into_again(monkeypa
     layers[-1].gradient_checkpointing = False
     _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
     again = graphs.graphs[id(layers[-1].mlp)]
-    assert again.backward != first[0].backward
+    assert again.backward != first[0].backward and again.pool not in {first[0].pool, second.pool}
+
+    layers[-2].gradient_checkpointing = False
+    _train(model, steps=moe_cuda_graphs.WARMUP_CALLS + 1)
+    other = graphs.graphs[id(layers[-2].mlp)]
+    assert other.pool != again.pool and other.backward == again.backward  # another forward: its own pool

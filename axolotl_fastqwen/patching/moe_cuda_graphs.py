@@ -9,9 +9,11 @@ each be captured once and replayed as one launch, `torch.cuda.make_graphed_calla
 
 - after `WARMUP_CALLS` eager training calls of a block (Triton compiles and autotunes, cuBLAS picks its
   kernels, the experts self-check runs), the block is run once more on a side stream and then captured:
-  its forward with autograd's graph into the block's own memory pool, and `torch.autograd.grad` of it
-  (the input's and every trainable parameter's gradient) into one pool shared by all blocks' backward
-  graphs (backwards run one at a time);
+  its forward with autograd's graph into a memory pool shared by the blocks captured in the same forward
+  (each block's activations stay allocated there, so a later block reuses only an earlier one's transient
+  buffers: on the 35B-A3B those were 3/4 of a block's own pool, measured on an H100), and
+  `torch.autograd.grad` of it (the input's and every trainable parameter's gradient) into one pool shared
+  by all blocks' backward graphs (backwards run one at a time);
 - a training call copies its input into the graph's static input, replays the forward, and returns a
   copy of the static output; its backward copies the output's gradient in, replays the backward, and
   returns the static gradients (autograd accumulates the parameters' gradients as usual).
@@ -107,7 +109,7 @@ class BlockGraph:
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.pointers = _pointers(block)
         self.generation = 0  # forward replays so far: a backward must follow its own forward
-        self.pool = None  # the forward graph's memory pool (its own)
+        self.pool = None  # the forward graph's memory pool: shared by the blocks captured in the same forward
         self.held = 0  # bytes the block's eager forward leaves allocated for its backward (the warm-up's)
         self.static_x = torch.empty_like(x).copy_(x.detach()).requires_grad_(True)
         enabled, dtype = _autocast_state(x.device.type)
@@ -130,20 +132,17 @@ class BlockGraph:
         torch.cuda.current_stream(device).wait_stream(side)
         owner.check_room(device, int(ROOM_FACTOR * self.held) + ROOM_MARGIN)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        # its own pool: a pool shared by the blocks of a forward would hold one block's transient buffers instead
-        # of one per block (on an H100 a block's pool was 4x what its eager forward holds), but only if every
-        # block's activations stay allocated in it; that has not run on a GPU yet
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = owner.forward_pool()
         owner.phase = "forward capture"
         with torch.cuda.graph(self.forward_graph, pool=self.pool):
             self.static_out = original(self.static_x)
         owner.phase = "backward capture"
         with torch.cuda.graph(self.backward_graph, pool=owner.backward_pool()):
+            # retain_graph: the activations the backward graph reads stay allocated in the forward pool (the
+            # capture's autograd graph, kept by `static_out`, holds them), so a block captured later into the same
+            # pool cannot be given their memory; `release()` drops them
             grads = torch.autograd.grad(self.static_out, (self.static_x, *self.params), self.static_grad_out,
-                                        allow_unused=True)
-        # the capture's autograd graph is done with: dropped (what it held stays reserved in the block's own pool,
-        # which the replays use by address)
-        self.static_out = self.static_out.detach()
+                                        allow_unused=True, retain_graph=True)
         self.static_grad_x, self.static_grads = grads[0], grads[1:]
 
     def release(self) -> None:
@@ -235,6 +234,7 @@ class MoeCudaGraphs:
     devices: tuple[str, ...] = ("cuda",)  # where blocks are captured
     graph_class: type = field(default=BlockGraph, repr=False)
     _backward_pool: object = field(default=None, repr=False)
+    _forward_pool: object = field(default=None, repr=False)  # the pool of this forward's captures
 
     @classmethod
     def install(cls, layers: list[nn.Module], block_classes: tuple[type, ...]) -> MoeCudaGraphs:
@@ -292,6 +292,7 @@ class MoeCudaGraphs:
         if id(block) in self.this_forward:
             self.this_forward.clear()
             self.added = 0
+            self._forward_pool = None
         self.this_forward.add(id(block))
 
     def device_total(self, device: torch.device) -> int | None:
@@ -316,7 +317,7 @@ class MoeCudaGraphs:
 
     def pool_sizes(self) -> tuple[int, int] | None:
         """(segment bytes, allocated bytes) of every pool the graphs use."""
-        pools = [g.pool for g in self.graphs.values() if g.pool is not None]
+        pools = list({g.pool: None for g in self.graphs.values() if g.pool is not None})  # each shared pool once
         return graph_pools.pool_sizes([*pools, self._backward_pool] if pools else [])
 
     def measure(self, free: bool = False) -> None:
@@ -344,6 +345,16 @@ class MoeCudaGraphs:
     def aside_bytes(self) -> int:
         return self.aside
 
+    def forward_pool(self):
+        """The memory pool of the forward graphs captured in this forward, as `make_graphed_callables` shares one:
+        they replay in the order they were captured and each one's activations stay allocated until it is
+        released, so a later block's capture reuses only what an earlier one freed (its transient buffers), never
+        its activations. Between forwards the order is not known (a block left eager may be captured later), so
+        each forward's captures get a pool of their own."""
+        if self._forward_pool is None:
+            self._forward_pool = torch.cuda.graph_pool_handle()
+        return self._forward_pool
+
     def backward_pool(self):
         """The memory pool every block's backward graph is captured into (they replay one at a time)."""
         if self._backward_pool is None:
@@ -359,7 +370,8 @@ class MoeCudaGraphs:
 
     def _released(self) -> None:
         """After graphs were freed: a pool none of the remaining graphs uses is gone (the allocator refuses
-        another capture into it), so later captures get a new one."""
+        another capture into it), so later captures get new ones; this forward's captures, a new forward pool."""
+        self._forward_pool = None
         if not self.graphs:
             self._backward_pool = None
         self.measure(free=True)
