@@ -122,7 +122,7 @@ PATHS: dict[str, PathSpec] = {
         PathSpec(
             "fastqwen+ckpt-auto+lean", "packed",
             "fastqwen+ckpt-auto with fastqwen_lean_activations: what the plugin line alone gives (its defaults) "
-            "with gradient checkpointing on",
+            "with gradient checkpointing on (MoE: with fastqwen_moe_cuda_graphs: auto, the line's default)",
         ),
         PathSpec(
             "fastqwen+ckpt-auto+lean+peft-lora", "packed",
@@ -148,8 +148,14 @@ PATHS: dict[str, PathSpec] = {
         ),
         PathSpec(
             "fastqwen+ckpt-auto+lean+moe-graphs", "packed",
-            "MoE only: fastqwen+ckpt-auto+lean with fastqwen_moe_cuda_graphs (the kept layers' sparse MoE blocks "
-            "replay their forward and backward as CUDA graphs once warm, patching/moe_cuda_graphs.py)",
+            "MoE only: fastqwen+ckpt-auto+lean with fastqwen_moe_cuda_graphs: true (the kept layers' sparse MoE "
+            "blocks replay their forward and backward as CUDA graphs once warm, patching/moe_cuda_graphs.py); on "
+            "one GPU with the packer's rows, what the line's default (auto) does too",
+        ),
+        PathSpec(
+            "fastqwen+ckpt-auto+lean+no-moe-graphs", "packed",
+            "MoE only: fastqwen+ckpt-auto+lean with fastqwen_moe_cuda_graphs: false (every sparse MoE block eager, "
+            "the line's defaults before the graphs were on): what the graphs change",
         ),
         PathSpec(
             "fastqwen+ckpt-auto+lean+torch-rows", "packed",
@@ -213,6 +219,7 @@ LETTERS = {
     "B": "fastqwen+ckpt-auto+lean+peft-lora", "C": "fastqwen+ckpt-auto+lean+torch-rows",
     "D": "fastqwen+ckpt-auto+lean+stock-mlp", "E": "fastqwen+ckpt-auto+lean+liger-chunks",
     "F": "fastqwen+ckpt-auto+lean+triton-loss", "G": "fastqwen+ckpt-auto+lean+moe-graphs",
+    "H": "fastqwen+ckpt-auto+lean+no-moe-graphs",
 }
 # Axolotl's patches are class-level: run them last.
 EXECUTION_ORDER = (
@@ -220,7 +227,7 @@ EXECUTION_ORDER = (
     "fastqwen", "fastqwen-lora-kernels", "fastqwen+ckpt-auto", "fastqwen+ckpt-auto+torch-norms",
     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+stock-mlp",
     "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean+moe-graphs",
-    "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
+    "fastqwen+ckpt-auto+lean+no-moe-graphs", "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+fp8",
     "fastqwen+ckpt-auto+lean+fp8-forward", "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
     "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "axolotl-packing",
     "axolotl-best", "axolotl-best-cce", "axolotl-best+offload", "axolotl-best+fp8", "axolotl-best+fp8-no-lora-kernels",
@@ -239,6 +246,7 @@ CHECKPOINTING_AUTO = {"fastqwen+ckpt-auto": "fastqwen", "fastqwen+ckpt-auto+torc
                       "fastqwen+ckpt-auto+lean+liger-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+triton-loss": "fastqwen",
                       "fastqwen+ckpt-auto+lean+moe-graphs": "fastqwen",
+                      "fastqwen+ckpt-auto+lean+no-moe-graphs": "fastqwen",
                       "fastqwen+ckpt-auto+lean+fp8-forward": "fastqwen",
                       "fastqwen+ckpt-auto+lean+mlp-chunks": "fastqwen",
                       "fastqwen+ckpt-auto+lean+offload": "fastqwen",
@@ -259,6 +267,7 @@ LEAN_ACTIVATIONS = ("axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqw
                     "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
                     "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+liger-chunks",
                     "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean+moe-graphs",
+                    "fastqwen+ckpt-auto+lean+no-moe-graphs",
                     "fastqwen+ckpt-auto+lean+mlp-chunks", "fastqwen+ckpt-auto+lean+offload",
                     "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks")
 # paths with fastqwen_fp8 (patch_model(fp8=True, fp8_tokens=the row's budget))
@@ -277,6 +286,8 @@ STOCK_MLP = ("fastqwen+ckpt-auto+lean+stock-mlp",)
 LIGER_OWN_CHUNKS = ("fastqwen+ckpt-auto+lean+liger-chunks",)
 # MoE paths whose kept layers' sparse blocks replay as CUDA graphs (patch_model(moe_cuda_graphs=True))
 MOE_CUDA_GRAPHS = ("fastqwen+ckpt-auto+lean+moe-graphs",)
+# MoE paths without them (patch_model(moe_cuda_graphs=False)); the other lean paths take the line's default, auto
+NO_MOE_CUDA_GRAPHS = ("fastqwen+ckpt-auto+lean+no-moe-graphs",)
 # MoE paths whose routed experts run their row work on PyTorch's ops (not ops/routed_swiglu.py, ops/routed_combine.py)
 TORCH_ROWS = ("fastqwen+ckpt-auto+lean+torch-rows",)
 # FP8 paths whose input gradient `dy·W` runs in bf16 (patch_model(fp8_input_gradient="bf16"))
@@ -324,9 +335,10 @@ def installed(name: str, model: torch.nn.Module, family: str, device: torch.devi
     fused_lora = name not in PEFT_LORA
     torch_rows = name in TORCH_ROWS
     swiglu_mlps = name not in STOCK_MLP
-    moe_graphs = name in MOE_CUDA_GRAPHS
+    moe_graphs = True if name in MOE_CUDA_GRAPHS else False if name in NO_MOE_CUDA_GRAPHS else \
+        "auto" if name in LEAN_ACTIVATIONS else False
     liger_min_chunk = 1 if name in LIGER_OWN_CHUNKS else linear_cross_entropy.LIGER_MIN_CHUNK_TOKENS
-    if (torch_rows or moe_graphs) and not registry.family(family).moe:
+    if (torch_rows or name in MOE_CUDA_GRAPHS + NO_MOE_CUDA_GRAPHS) and not registry.family(family).moe:
         raise PathSkipped(f"{family} is a dense model: no routed experts")
     # the plugin line's default is `auto` (on where the checkpointed inputs would crowd the device): the lean
     # paths are the line's defaults plus what each names
@@ -470,7 +482,7 @@ def _plugin(model, device: torch.device, info: dict, prefer: dict[str, str] | No
             lean: bool = False, fp8_tokens: int | None = None, fp8_input_gradient: str = "fp8",
             mlp_chunk_tokens: int | None = None, checkpoint_offload: bool | str = False,
             fused_lora: bool = True, torch_rows: bool = False, swiglu_mlps: bool = True,
-            moe_graphs: bool = False) -> Iterator[None]:
+            moe_graphs: bool | str = False) -> Iterator[None]:
     """`patch_model` for the block (the plugin's post_model_load: after Axolotl's own patches)."""
     if fp8_tokens and not hasattr(model, "peft_config"):
         raise PathSkipped("fastqwen_fp8 quantizes a frozen base: it needs LoRA (this run is a full fine-tune)")

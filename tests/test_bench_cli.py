@@ -79,7 +79,7 @@ def test_bench_writes_complete_json(bench):
         "axolotl-best+fastqwen+ckpt-auto+lean", "axolotl-best+fastqwen+ckpt-auto+flash-qla+lean",
         "fastqwen+ckpt-auto+lean", "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+stock-mlp",
         "fastqwen+ckpt-auto+lean+liger-chunks", "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean+moe-graphs",
-        "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+fp8",
+        "fastqwen+ckpt-auto+lean+no-moe-graphs", "fastqwen+ckpt-auto+lean+torch-rows", "fastqwen+ckpt-auto+lean+fp8",
         "fastqwen+ckpt-auto+lean+mlp-chunks",
         "fastqwen+ckpt-auto+lean+offload", "fastqwen+ckpt-auto+lean+fp8+offload",
         "fastqwen+ckpt-auto+lean+fp8+offload+chunks", "fastqwen+ckpt-auto+lean+fp8-forward", "stock-moe-eager", "stock-moe-grouped-mm",
@@ -90,7 +90,8 @@ def test_bench_writes_complete_json(bench):
                  "fastqwen+ckpt-auto+lean+fp8+offload", "fastqwen+ckpt-auto+lean+fp8+offload+chunks",
                  "axolotl-best+offload", "fastqwen+ckpt-auto+lean+peft-lora", "fastqwen+ckpt-auto+lean+torch-rows",
                  "fastqwen+ckpt-auto+lean+stock-mlp", "fastqwen+ckpt-auto+lean+liger-chunks",
-                 "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean+moe-graphs"):
+                 "fastqwen+ckpt-auto+lean+triton-loss", "fastqwen+ckpt-auto+lean+moe-graphs",
+                 "fastqwen+ckpt-auto+lean+no-moe-graphs"):
         assert _path(result, name)["status"] == "skipped"  # no --gc, no GPU
     for key in ("torch", "transformers", "triton", "fla", "causal_conv1d"):
         assert key in result["versions"]

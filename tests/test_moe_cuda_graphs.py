@@ -181,6 +181,24 @@ def test_dense_models_say_there_is_nothing_to_capture():
     assert any("moe cuda graphs: not applied" in note for note in report.kernels.notes)
 
 
+def test_auto_captures_on_moe_models_that_train_on_a_gpu_and_says_nothing_elsewhere():
+    """`moe_cuda_graphs="auto"` (the Axolotl key's default) installs the graphs where `True` does, but only for a
+    model that trains on a CUDA device: on a CPU every call would run eagerly, and a dense model has nothing to
+    capture, so auto adds nothing to the report there."""
+    from test_patching import model_for
+
+    dense = patch_model(model_for("qwen3_5"), fused_cross_entropy=False, moe_cuda_graphs="auto", log=False)
+    assert dense.moe_graphs is None and not any("moe cuda graphs" in note for note in dense.kernels.notes)
+    model = _model()
+    assert patch_model(model, fused_cross_entropy=False, moe_cuda_graphs="auto", log=False).moe_graphs is None
+    unpatch_model(model)
+    report = patch_model(model, fused_cross_entropy=False, moe_cuda_graphs=True, log=False)
+    assert report.moe_graphs is not None and len(report.moe_graphs.blocks) == len(model.base_model.model.model.layers)
+    unpatch_model(model)
+    with pytest.raises(ValueError, match="moe_cuda_graphs='yes'"):
+        patch_model(model, fused_cross_entropy=False, moe_cuda_graphs="yes", log=False)
+
+
 def test_replayed_blocks_adapters_cast_for_themselves_and_recomputed_ones_use_the_copies():
     """The shared experts' adapters leave the per-forward copies while their layer keeps its activations (the
     copies' backward node would hold their gradient accumulators on the default stream, where a capture on

@@ -200,13 +200,30 @@ def test_fused_lora_default_on_off_by_key_and_aside_for_sharded_weights():
         assert any(n.startswith("fused LoRA off:") and "peft's forward runs" in n for n in settings.notes)
 
 
-def test_moe_cuda_graphs_off_unless_asked_and_aside_for_sharded_weights():
-    assert not settle()[0].moe_cuda_graphs
-    assert settle(fastqwen_moe_cuda_graphs=True)[0].moe_cuda_graphs
+def test_moe_cuda_graphs_auto_where_the_packer_gives_one_row_shape_on_one_gpu_and_never_on_sharded_weights():
+    """`fastqwen_moe_cuda_graphs: auto` (the default) is on where it was validated: the plugin's packed rows
+    (one shape, so the captured graphs replay) on one CUDA device without torch_compile; elsewhere it steps
+    aside with a note naming the reason (quietly on a CPU, where nothing is captured). `true` insists, except
+    on sharded weights (a graph replays the addresses its weights had at capture)."""
+    packed = {"sample_packing": True}
+    assert settle(**packed)[0].moe_cuda_graphs == "auto"
+    settings, _ = settle(CPU, **packed)
+    assert settings.moe_cuda_graphs is False and not any("moe_cuda_graphs" in n for n in settings.notes)
+    assert settle(fastqwen_moe_cuda_graphs=False, **packed)[0].moe_cuda_graphs is False
+    for env, cfg, why in (
+            (GPU, {"fastqwen_packing": False}, "the rows are padded batches"),
+            (Environment(cuda_devices=2, processes=2, flash_attn=True), packed, "2 processes"),
+            (GPU, {**packed, "torch_compile": True}, "torch_compile set")):
+        settings, _ = settle(env, **cfg)
+        assert settings.moe_cuda_graphs is False
+        assert any(n.startswith("fastqwen_moe_cuda_graphs: auto is off:") and why in n for n in settings.notes), \
+            settings.notes
+        assert settle(env, fastqwen_moe_cuda_graphs=True, **cfg)[0].moe_cuda_graphs is True
     for cfg in ({"fsdp_config": {"fsdp_version": 2}}, {"deepspeed": "zero3.json"}):
-        settings, _ = settle(fastqwen_moe_cuda_graphs=True, **cfg)
-        assert not settings.moe_cuda_graphs
-        assert any(n.startswith("moe cuda graphs off:") for n in settings.notes)
+        for wanted in (True, "auto"):
+            settings, _ = settle(fastqwen_moe_cuda_graphs=wanted, **packed, **cfg)
+            assert not settings.moe_cuda_graphs
+            assert any(n.startswith("moe cuda graphs off:") for n in settings.notes)
 
 
 # ---- the keys themselves ---------------------------------------------------------------------

@@ -60,13 +60,14 @@ class FastQwenArgs(BaseModel):
         "is rounded once instead of three times). Off under fsdp and deepspeed. Layers that "
         "are not the plain case (DoRA, lora_bias, several active adapters) run peft's own "
         "forward; the load report counts both. false: peft's forward everywhere."))
-    fastqwen_moe_cuda_graphs: bool = Field(default=False, json_schema_extra=_about(
+    fastqwen_moe_cuda_graphs: bool | Literal["auto"] = Field(default="auto", json_schema_extra=_about(
         "MoE models (Qwen3.5-MoE, Qwen3-Next): the sparse MoE block of every decoder layer that keeps its activations "
         "(fastqwen_checkpointing: auto's kept layers, or no gradient checkpointing) replays its forward and backward "
         "as two CUDA graphs once warm: the same kernels, without the host issuing the block's ~100 launches a layer "
         "one by one (the MoE step waits on its host). Layers that gradient checkpointing recomputes, eval, other row "
-        "shapes and output_router_logits run the block as before; the load report counts each. Off under fsdp and "
-        "deepspeed."))
+        "shapes and output_router_logits run the block as before; the load report counts each. auto (default): on "
+        "where the plugin packs the rows (one row shape) on one CUDA device, off with a note under torch_compile, "
+        "several processes or other rows; true: also there. Off under fsdp and deepspeed."))
     fastqwen_fp8: bool = Field(default=False, json_schema_extra=_about(
         "LoRA on a frozen bf16 base: quantize the decoder's large frozen projections once to FP8 (e4m3, one scale "
         "per output channel; the bf16 copy goes to host memory) and run their forward and input-gradient GEMMs on "

@@ -135,7 +135,7 @@ class Settings:
     mlp_chunk_tokens: int | None  # fastqwen_mlp_chunk_tokens: dense MLPs over token chunks at long rows
     checkpoint_offload: bool | Literal["auto"]  # fastqwen_checkpoint_offload: recomputed layers' inputs in host memory
     fused_lora: bool  # fastqwen_fused_lora: peft LoRA linears as one function each
-    moe_cuda_graphs: bool  # fastqwen_moe_cuda_graphs: kept layers' sparse MoE blocks replayed as CUDA graphs
+    moe_cuda_graphs: bool | Literal["auto"]  # fastqwen_moe_cuda_graphs: kept layers' sparse MoE blocks as CUDA graphs
     # where and how it was decided
     model_source: str | None
     trust_remote_code: bool
@@ -344,11 +344,7 @@ def resolve(cfg: Mapping, env: Environment) -> tuple[Settings, dict[str, Any]]:
         fused_lora = False
         notes.append(f"fused LoRA off: {', '.join(sharded)} set (their hooks gather each weight when its own module "
                      "runs, and the fused layer reads lora_B's weight without calling lora_B): peft's forward runs")
-    moe_cuda_graphs = args.fastqwen_moe_cuda_graphs
-    if moe_cuda_graphs and sharded:
-        moe_cuda_graphs = False
-        notes.append(f"moe cuda graphs off: {', '.join(sharded)} set (a graph replays the addresses its weights had at "
-                     "capture; sharded weights are gathered anew for each call)")
+    moe_cuda_graphs = _moe_cuda_graphs(cfg, args.fastqwen_moe_cuda_graphs, rows, sharded, notes, env)
     chunk, most = args.fastqwen_mlp_chunk_tokens, max(budget, sequence_len * micro_batch_size)
     if chunk is not None and chunk >= most:
         notes.append(f"fastqwen_mlp_chunk_tokens: {chunk} is at least the {most} tokens a micro-batch holds, so no "
@@ -432,6 +428,36 @@ def _takeover_why(budget: int, sequence_len: int, micro_batch_size: int) -> str:
             if default else "fastqwen_token_budget")
     return (f"one static [1, {budget}] row per micro-batch ({size}); exact sequence boundaries, no label trained "
             "across one; the step composition changes: steps per epoch, warm-up and eval/save cadence in steps")
+
+
+def _moe_cuda_graphs(cfg: Mapping, wanted: bool | str, rows: str, sharded: list[str], notes: list[str],
+                     env: Environment) -> bool | str:
+    """`fastqwen_moe_cuda_graphs`: off where weights are sharded (whatever was asked); `auto` (the default)
+    also steps aside, with a note, where it was not validated: no CUDA device, several processes,
+    torch_compile, or rows the plugin does not pack (another shape each batch: nothing would replay)."""
+    if not wanted:
+        return False
+    if sharded:
+        notes.append(f"moe cuda graphs off: {', '.join(sharded)} set (a graph replays the addresses its weights had at "
+                     "capture; sharded weights are gathered anew for each call)")
+        return False
+    if wanted is True:
+        return True
+    why = []
+    if env.cuda_devices == 0:
+        return False  # nothing to capture on: quietly off, as the graphs' own check would leave every call eager
+    if env.processes > 1:
+        why.append(f"{env.processes} processes (validated on one GPU; set fastqwen_moe_cuda_graphs: true to capture "
+                   "in each)")
+    if _on(cfg.get("torch_compile")):
+        why.append("torch_compile set (a compiled block runs as compiled)")
+    if rows != "fastqwen":
+        why.append(f"the rows are {_describe_rows(rows)}, whose shape may change from batch to batch, and a graph "
+                   "replays only the shape it captured (the plugin's packed rows have one)")
+    if why:
+        notes.append(f"fastqwen_moe_cuda_graphs: auto is off: {'; '.join(why)}")
+        return False
+    return "auto"
 
 
 def _checkpoint_offload(cfg: Mapping, wanted: bool | str, checkpointing: str, patch_layers: bool,

@@ -195,7 +195,7 @@ def patch_model(
     checkpoint_offload: bool | str = False,
     fused_lora: bool = True,
     swiglu_mlps: bool = True,
-    moe_cuda_graphs: bool = False,
+    moe_cuda_graphs: bool | str = False,
     log: bool = True,
 ) -> PatchReport:
     """Replace the Qwen hybrid layers of `model` with the fused, boundary-correct ones.
@@ -232,15 +232,20 @@ def patch_model(
         them stock (the benchmark's before path).
     moe_cuda_graphs: the sparse MoE blocks of layers that keep their activations replay their forward and
         backward as CUDA graphs once warm (`patching/moe_cuda_graphs.py`): the same kernels, one launch each
-        way a block; every other call runs eagerly, counted with its reason in the report.
+        way a block; every other call runs eagerly, counted with its reason in the report. "auto" (the Axolotl
+        key's default): the same on MoE models that train on a CUDA device; nothing, and nothing said, elsewhere.
     log: log the report table now (the Axolotl plugin logs it itself, after adding its notes).
     Returns the report; `unpatch_model(model)` restores the stock forward exactly.
     """
     base = unwrap(model)
     if getattr(base, STATE_ATTR, None) is not None:
         return getattr(base, STATE_ATTR)["report"]
+    for name, value in (("checkpoint_offload", checkpoint_offload), ("moe_cuda_graphs", moe_cuda_graphs)):
+        if value not in (False, True, "auto"):
+            raise ValueError(f"{name}={value!r}: False, True or 'auto'")
     plan = detect_family(base, registry.families())
-    kernels = select_kernels(device if device is not None else model_device(base), backend, prefer=prefer)
+    target = torch.device(device) if device is not None else model_device(base)
+    kernels = select_kernels(target, backend, prefer=prefer)
     context = ForwardContext()
     patched, counts, norms, mlps = _install_layers(base, plan, kernels, context, swiglu_mlps)
 
@@ -264,8 +269,6 @@ def patch_model(
     lora_cast = LoraInputCast(base)
     expert_adapters = ExpertAdapters(base)
     decoder_layers = [layer for m in base.modules() if type(m) in plan.decoder for layer in m.layers]
-    if checkpoint_offload not in (False, True, "auto"):
-        raise ValueError(f"checkpoint_offload={checkpoint_offload!r}: False, True or 'auto'")
     if checkpoint_offload:
         report.offload = CheckpointOffload(decoder_layers, auto=checkpoint_offload == "auto")
     if fused_lora:
@@ -289,9 +292,9 @@ def patch_model(
                              "(a sparse block's router outputs are recorded per call for the auxiliary loss)")
     elif mlp_chunk_tokens is not None:
         report.mlp_chunks = MlpChunks.install(decoder_layers, mlp_chunk_tokens)
-    if moe_cuda_graphs and not plan.moe_block:
+    if moe_cuda_graphs is True and not plan.moe_block:
         kernels.notes.append(f"moe cuda graphs: not applied: {plan.name} has no sparse MoE block")
-    elif moe_cuda_graphs:
+    elif plan.moe_block and (moe_cuda_graphs is True or moe_cuda_graphs == "auto" and target.type == "cuda"):
         report.moe_graphs = MoeCudaGraphs.install(decoder_layers, plan.moe_block)
     base.__dict__[STATE_ATTR] = {"modules": patched, "hooks": hooks, "report": report, "lora_cast": lora_cast,
                                  "context": context, "expert_adapters": expert_adapters,
