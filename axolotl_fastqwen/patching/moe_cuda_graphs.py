@@ -40,7 +40,8 @@ its limit, which frees their graphs). So that one forward cannot capture past th
 `auto` has measured a step, a forward's captures add at most `ROUND_FRACTION` of the device; the rest wait
 for the next forward. A capture also needs room now and under `CEILING_FRACTION` of the device.
 
-Opt-in (`fastqwen_moe_cuda_graphs`); `restore()` gives every block its forward back and drops the graphs.
+`fastqwen_moe_cuda_graphs: auto` (the default: one CUDA device, the packer's rows; `integration/settings.py`);
+`restore()` gives every block its forward back and drops the graphs.
 """
 
 from __future__ import annotations
