@@ -443,9 +443,9 @@ def _moe_cuda_graphs(cfg: Mapping, wanted: bool | str, rows: str, sharded: list[
         return False
     if wanted is True:
         return True
-    why = []
     if env.cuda_devices == 0:
         return False  # nothing to capture on: quietly off, as the graphs' own check would leave every call eager
+    why = []
     if env.processes > 1:
         why.append(f"{env.processes} processes (validated on one GPU; set fastqwen_moe_cuda_graphs: true to capture "
                    "in each)")
