@@ -74,6 +74,8 @@ for stage in ${STAGES:-tests}; do
       tail -8 "$RES/pytest_offload.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
+  # packed after every stage too, so that a call killed at its limit still returns the finished stages
+  tar czf "$OUT/results.tgz" -C "$OUT" res
 done
 tar czf "$OUT/results.tgz" -C "$OUT" res && rm -rf "$RES"
 # Triton's cache comes back xz-compressed (a third of gzip's size: the returned files are capped in
