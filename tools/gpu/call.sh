@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the stages named in $STAGES, in order, each under its own time limit, with every
-# result packed into $OUT/results.tgz at the end (the device returns at most 8 files) and Triton's
-# cache into $OUT/triton-cache.tgz.partNN (for the next call, if the machine went cold).
+# result packed into $OUT/results.tgz after each stage (the device returns at most 8 files; a call
+# stopped at its limit still returns the finished stages) and Triton's cache into
+# $OUT/triton-cache.txz.partNN at the end (for the next call, if the machine went cold).
 #   STAGES="tests bench64" bash tools/gpu/call.sh
 # Stage budgets (seconds) are set so that any combination of two fits a 600 s call after install.
 set -u
@@ -74,10 +75,10 @@ for stage in ${STAGES:-tests}; do
       tail -8 "$RES/pytest_offload.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
-  # packed after every stage too, so that a call killed at its limit still returns the finished stages
+  # packed after every stage, so that a call killed at its limit still returns the finished stages
   tar czf "$OUT/results.tgz" -C "$OUT" res
 done
-tar czf "$OUT/results.tgz" -C "$OUT" res && rm -rf "$RES"
+rm -rf "$RES"
 # Triton's cache comes back xz-compressed (a third of gzip's size: the returned files are capped in
 # total as well as each under 16 MiB); env.sh unpacks `.gpu-cache/triton-cache.txz*` first.
 tar cf - -C "$TRITON_CACHE_DIR" . | xz -6 -T0 | split -b 15M -d - "$OUT/triton-cache.txz.part"
